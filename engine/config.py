@@ -1,0 +1,69 @@
+"""Engine configuration: one frozen dataclass, validated once at construction."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from engine.errors import InvalidConfigError
+
+LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
+SchedulePolicy = Literal["lpm", "fcfs"]
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that shapes one engine replica.
+
+    Capacity: the KV pool holds `max_total_tokens` token slots when given;
+    otherwise `mem_fraction_static` of the device's memory (GPU: of total memory,
+    minus weights and an activation reserve; CPU: of available RAM, capped at
+    `cpu_max_total_tokens`) is used.
+    """
+
+    model: Optional[str] = field(default=None, metadata={"help": "HF folder, .gguf file, or None for the default model."})
+    load_format: LoadFormat = field(default="auto", metadata={"help": "How to read weights; 'dummy' = random weights, real shapes."})
+    dtype: str = field(default="auto", metadata={"help": "float32 | bfloat16 | float16 | auto (fp32 on CPU, bf16 on GPU)."})
+    device: str = field(default="auto", metadata={"help": "cpu | cuda | cuda:N | auto."})
+    page_size: int = field(default=1, metadata={"help": "Tokens per KV page."})
+    max_total_tokens: Optional[int] = field(default=None, metadata={"help": "KV pool size in tokens."})
+    mem_fraction_static: float = field(default=0.85, metadata={"help": "Memory fraction for weights + KV pool."})
+    cpu_max_total_tokens: int = field(default=65536, metadata={"help": "Cap on the KV pool on CPU when sized from memory."})
+    max_running_requests: int = field(default=256, metadata={"help": "Max requests in the running batch."})
+    max_queued_requests: Optional[int] = field(default=None, metadata={"help": "Reject new requests beyond this many waiting."})
+    chunked_prefill_size: int = field(default=2048, metadata={"help": "Max prompt tokens of one request per prefill step; -1 disables chunking."})
+    max_prefill_tokens: int = field(default=16384, metadata={"help": "Token budget of one prefill batch."})
+    schedule_policy: SchedulePolicy = field(default="lpm", metadata={"help": "Waiting-queue order: lpm | fcfs."})
+    disable_radix_cache: bool = field(default=False, metadata={"help": "Turn prefix caching off."})
+    context_length: Optional[int] = field(default=None, metadata={"help": "Override the model's context length."})
+    attention_backend: str = field(default="auto", metadata={"help": "torch_native | auto."})
+    random_seed: int = field(default=0, metadata={"help": "Seed for dummy weights and unseeded sampling."})
+    new_token_ratio: float = field(default=0.4, metadata={"help": "Share of max_new_tokens reserved when admitting a request."})
+
+    def __post_init__(self) -> None:
+        def check(cond: bool, msg: str) -> None:
+            if not cond:
+                raise InvalidConfigError(msg)
+
+        check(self.page_size >= 1, f"page_size must be >= 1, got {self.page_size}")
+        check(self.max_total_tokens is None or self.max_total_tokens >= self.page_size,
+              f"max_total_tokens must be >= page_size, got {self.max_total_tokens}")
+        check(0.0 < self.mem_fraction_static < 1.0, f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        check(self.max_running_requests >= 1, f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        check(self.chunked_prefill_size == -1 or self.chunked_prefill_size >= 1,
+              f"chunked_prefill_size must be -1 or >= 1, got {self.chunked_prefill_size}")
+        check(self.max_prefill_tokens >= 1, f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        check(self.schedule_policy in ("lpm", "fcfs"), f"schedule_policy must be 'lpm' or 'fcfs', got {self.schedule_policy!r}")
+        check(self.load_format in ("auto", "safetensors", "gguf", "dummy"), f"unknown load_format {self.load_format!r}")
+        check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        check(self.context_length is None or self.context_length >= 2, f"context_length must be >= 2, got {self.context_length}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        """Build from keyword arguments; unknown keys raise InvalidConfigError."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise InvalidConfigError(f"unknown engine option(s): {', '.join(unknown)}")
+        return cls(**kwargs)

@@ -1,0 +1,81 @@
+"""ForwardBatch: the device tensors of one model forward, built from a ScheduleBatch.
+
+Token layout (EXTEND): the new tokens of every request, concatenated in batch
+order. Request i owns rows [extend_start_loc[i], extend_start_loc[i] + extend_seq_lens[i]).
+Its KV for positions [0, extend_prefix_lens[i]) is already in the pool (cached
+prefix or earlier chunks); this forward writes positions
+[extend_prefix_lens[i], seq_lens[i]) at `out_cache_loc`.
+
+DECODE is the special case of one new token per request (T == batch_size).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"
+    DECODE = "decode"
+
+
+@dataclass
+class ForwardBatch:
+    forward_mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor
+    """(T,) int64, device — token ids of the new tokens."""
+    positions: torch.Tensor
+    """(T,) int64, device — absolute position of each new token."""
+    out_cache_loc: torch.Tensor
+    """(T,) int64, device — KV slot each new token's K/V is written to."""
+    req_pool_indices: torch.Tensor
+    """(bs,) int64, device — row of each request in ReqToTokenPool.req_to_token."""
+    seq_lens: torch.Tensor
+    """(bs,) int64, device — KV length of each request after this forward."""
+    extend_prefix_lens: torch.Tensor
+    """(bs,) int64, device — tokens already in the KV pool before this forward."""
+    extend_seq_lens: torch.Tensor
+    """(bs,) int64, device — new tokens of each request in this forward (1 in DECODE)."""
+    extend_start_loc: torch.Tensor
+    """(bs,) int64, device — first row of each request in the token layout."""
+    seq_lens_cpu: List[int]
+    extend_prefix_lens_cpu: List[int]
+    extend_seq_lens_cpu: List[int]
+    attn_backend: Optional[object] = None
+    """kernels.attention.base.AttentionBackend set by the ModelRunner; layers call attn_backend.forward."""
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def last_token_rows(self) -> torch.Tensor:
+        """(bs,) int64 — row of each request's last new token (whose logits are sampled)."""
+        return self.extend_start_loc + self.extend_seq_lens - 1
+
+    @classmethod
+    def build(cls, mode: ForwardMode, input_ids: List[int], positions: List[int], out_cache_loc: torch.Tensor,
+              req_pool_indices: List[int], seq_lens: List[int], prefix_lens: List[int],
+              device: torch.device) -> "ForwardBatch":
+        """Build from host lists; `out_cache_loc` is already a tensor (from the allocator)."""
+        extend_lens = [s - p for s, p in zip(seq_lens, prefix_lens)]
+        starts, acc = [], 0
+        for n in extend_lens:
+            starts.append(acc)
+            acc += n
+
+        def t(x: List[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True)
+
+        return cls(
+            forward_mode=mode, batch_size=len(seq_lens),
+            input_ids=t(input_ids), positions=t(positions),
+            out_cache_loc=out_cache_loc.to(device=device, dtype=torch.int64),
+            req_pool_indices=t(req_pool_indices), seq_lens=t(seq_lens),
+            extend_prefix_lens=t(prefix_lens), extend_seq_lens=t(extend_lens), extend_start_loc=t(starts),
+            seq_lens_cpu=list(seq_lens), extend_prefix_lens_cpu=list(prefix_lens), extend_seq_lens_cpu=extend_lens,
+        )

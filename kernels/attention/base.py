@@ -1,0 +1,88 @@
+"""AttentionBackend: the one interface every attention implementation serves.
+
+A backend is built once per model runner with the request→token table and the
+KV pool, then for every forward:
+
+    backend.init_forward_metadata(batch)              # once per forward
+    out = backend.forward(q, k, v, layer_id, batch)   # once per layer
+
+`forward` first writes k, v of the new tokens into the pool at
+`batch.out_cache_loc`, then attends each new token to its request's KV
+positions [0, position] (causal). `kernels` does not import `engine`: the batch
+and pool are used through the small protocols below.
+"""
+from __future__ import annotations
+
+import abc
+import importlib
+from typing import Callable, Dict, List, Protocol
+
+import torch
+
+
+class KVPoolLike(Protocol):
+    num_layers: int
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
+
+class ForwardBatchLike(Protocol):
+    forward_mode: object
+    batch_size: int
+    out_cache_loc: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    extend_prefix_lens: torch.Tensor
+    extend_seq_lens: torch.Tensor
+    extend_start_loc: torch.Tensor
+    seq_lens_cpu: List[int]
+    extend_prefix_lens_cpu: List[int]
+    extend_seq_lens_cpu: List[int]
+
+
+class AttentionBackend(abc.ABC):
+    """Paged attention over a KV pool.
+
+    `req_to_token`: (max_requests, max_context_len) int32, device — KV slot of
+    each position of each request. Shapes in `forward`: q (T, num_heads, head_dim),
+    k and v (T, num_kv_heads, head_dim); returns (T, num_heads, head_dim) in q's dtype.
+    """
+
+    def __init__(self, req_to_token: torch.Tensor, kv_pool: KVPoolLike, num_heads: int, num_kv_heads: int,
+                 head_dim: int, scale: float):
+        self.req_to_token = req_to_token
+        self.kv_pool = kv_pool
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    def init_forward_metadata(self, batch: ForwardBatchLike) -> None:
+        """Precompute per-forward indices shared by all layers (default: nothing)."""
+
+    @abc.abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                batch: ForwardBatchLike) -> torch.Tensor: ...
+
+
+# name -> "module:Class", imported on first use so GPU-only backends cost nothing on CPU.
+_REGISTRY: Dict[str, str] = {
+    "torch_native": "kernels.attention.torch_native:TorchNativeAttnBackend",
+}
+
+
+def register_backend(name: str, target: str) -> None:
+    _REGISTRY[name] = target
+
+
+def available_backends() -> List[str]:
+    return sorted(_REGISTRY)
+
+
+def get_backend_class(name: str) -> Callable[..., AttentionBackend]:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(available_backends())}")
+    module, cls = _REGISTRY[name].split(":")
+    return getattr(importlib.import_module(module), cls)
