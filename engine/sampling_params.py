@@ -7,7 +7,6 @@ from typing import Any, List, Mapping, Optional, Union
 
 from engine.errors import InvalidRequestError
 
-# Logit values below this are treated as -inf after top-k / top-p / min-p masking.
 _MAX_TOP_LOGPROBS = 20
 
 
@@ -38,10 +37,6 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
-    # Structured output (applied by engine.runner.grammar when present).
-    json_schema: Optional[str] = None
-    regex: Optional[str] = None
-    ebnf: Optional[str] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -95,5 +90,3 @@ class SamplingParams:
         check(self.seed is None or is_int(self.seed), "seed", "must be an integer or None")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         check(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be token ids >= 0")
-        constraints = [c for c in (self.json_schema, self.regex, self.ebnf) if c is not None]
-        check(len(constraints) <= 1, "json_schema", "conflicts with regex/ebnf: give at most one constraint")

@@ -1,0 +1,138 @@
+"""KVCacheManager: every change of KV ownership between requests and the RadixCache.
+
+Ownership per request (see engine.request): positions [0, prefix_len) belong to
+the tree and are locked through `req.last_node`; positions [prefix_len, kv_len)
+belong to the request. This module keeps that invariant through admission,
+extension, caching of partial work, and release, so that
+
+    allocator.available_size() + tree.total_size() + Σ running (kv_len - prefix_len) rounded to pages
+        == allocator.size
+
+holds at every step (tests check it via `engine.stats()`).
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from engine.memory.allocator import TokenToKVPoolAllocator
+from engine.memory.radix_cache import RadixCache
+from engine.memory.req_to_token import ReqToTokenPool
+from engine.request import Req
+
+
+class KVCacheManager:
+    def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, tree: RadixCache,
+                 page_size: int, disable_radix_cache: bool):
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        self.tree = tree
+        self.page_size = page_size
+        self.use_tree = not disable_radix_cache
+
+    # ---- sizes -----------------------------------------------------------------
+    def available(self) -> int:
+        """Token slots free now or freeable by eviction."""
+        return self.allocator.available_size() + self.tree.evictable_size()
+
+    def pages_for(self, req: Req, extend_len: int) -> int:
+        """New pages `req` needs to extend its KV by extend_len tokens."""
+        ps = self.page_size
+        room = (ps - req.kv_len % ps) % ps
+        return -(-max(0, extend_len - room) // ps)
+
+    def ensure_free(self, num_tokens: int) -> bool:
+        """Evict unlocked cached pages until `num_tokens` slots are free; False if impossible."""
+        short = num_tokens - self.allocator.available_size()
+        if short > 0:
+            self.tree.evict(short)
+        return self.allocator.available_size() >= num_tokens
+
+    # ---- admission -------------------------------------------------------------
+    def match(self, req: Req) -> int:
+        """Longest cached prefix of the request's fill_ids (always leaving one token to compute)."""
+        if not self.use_tree:
+            return 0
+        ids = req.fill_ids
+        return self.tree.match_prefix(ids[:len(ids) - 1], record_stats=False).prefix_len
+
+    def admit(self, req: Req) -> None:
+        """Give `req` a ReqToTokenPool row and its cached prefix, locked. kv_len = prefix_len."""
+        req.req_pool_idx = self.req_to_token_pool.alloc()
+        if self.use_tree:
+            ids = req.fill_ids
+            m = self.tree.match_prefix(ids[:len(ids) - 1])
+            self.tree.inc_lock_ref(m.last_node)
+            req.last_node, req.prefix_indices, req.prefix_len = m.last_node, m.device_indices, m.prefix_len
+            self.req_to_token_pool.write(req.req_pool_idx, 0, m.device_indices)
+        req.kv_len = req.prefix_len
+
+    def last_loc(self, req: Req) -> int:
+        """Slot of position kv_len - 1 (-1 when the request has no KV)."""
+        if req.kv_len == 0:
+            return -1
+        return int(self.req_to_token_pool.req_to_token[req.req_pool_idx, req.kv_len - 1])
+
+    def alloc_extend(self, reqs: List[Req]) -> Optional[torch.Tensor]:
+        """Slots for each request's next `extend_len` positions, recorded in its row."""
+        prefix = [r.kv_len for r in reqs]
+        seq = [r.kv_len + r.extend_len for r in reqs]
+        out = self.allocator.alloc_extend(prefix, seq, [self.last_loc(r) for r in reqs])
+        if out is None:
+            return None
+        start = 0
+        for r in reqs:
+            self.req_to_token_pool.write(r.req_pool_idx, r.kv_len, out[start:start + r.extend_len])
+            start += r.extend_len
+        return out
+
+    def alloc_decode(self, reqs: List[Req]) -> Optional[torch.Tensor]:
+        """One slot per request for position kv_len, recorded in its row."""
+        seq_lens = torch.tensor([r.kv_len + 1 for r in reqs], dtype=torch.int64)
+        last = torch.tensor([self.last_loc(r) for r in reqs], dtype=torch.int64)
+        out = self.allocator.alloc_decode(seq_lens, last)
+        if out is None:
+            return None
+        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        table = self.req_to_token_pool.req_to_token
+        table[rows.to(table.device), (seq_lens - 1).to(table.device)] = out.to(table.device, torch.int32)
+        return out
+
+    # ---- caching and release ----------------------------------------------------
+    def _insert(self, req: Req) -> int:
+        """Hand the page-aligned computed KV of `req` to the tree; free the request's duplicates.
+        Returns the aligned length now owned by the tree."""
+        aligned = req.kv_len // self.page_size * self.page_size
+        slots = self.req_to_token_pool.read(req.req_pool_idx, aligned)
+        already = self.tree.insert(req.fill_ids[:aligned], slots)
+        if already > req.prefix_len:
+            self.allocator.free(slots[req.prefix_len:already])
+        return aligned
+
+    def cache_unfinished(self, req: Req) -> None:
+        """After an extend: share the computed prefix through the tree and re-lock it, so that
+        other requests (n > 1 siblings, shared prompts) can reuse it while this one runs."""
+        if not self.use_tree or req.kv_len // self.page_size * self.page_size <= req.prefix_len:
+            return
+        aligned = self._insert(req)
+        m = self.tree.match_prefix(req.fill_ids[:aligned], record_stats=False)
+        self.tree.inc_lock_ref(m.last_node)
+        self.tree.dec_lock_ref(req.last_node)
+        self.req_to_token_pool.write(req.req_pool_idx, 0, m.device_indices)
+        req.last_node, req.prefix_indices, req.prefix_len = m.last_node, m.device_indices, m.prefix_len
+
+    def release(self, req: Req, cache: bool = True) -> None:
+        """Give back everything `req` holds: its computed KV goes to the tree (when caching)
+        or to the free list, its lock is dropped, its row is freed. Idempotent."""
+        if req.req_pool_idx is None:
+            return
+        start = req.prefix_len
+        if self.use_tree and cache:
+            start = max(start, self._insert(req))
+        if req.kv_len > start:
+            self.allocator.free(self.req_to_token_pool.read(req.req_pool_idx, req.kv_len)[start:])
+        if self.use_tree:
+            self.tree.dec_lock_ref(req.last_node)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.reset_kv_state()

@@ -1,0 +1,122 @@
+"""Building blocks shared by the model families: RMSNorm, rotary embedding, SiLU-and-mul.
+
+Every layer works on the flat token layout of a ForwardBatch: activations are
+(T, hidden) or (T, heads, head_dim), T = tokens of the whole batch. Numerics
+follow Hugging Face transformers (the reference): norms and rotary angles are
+computed in float32 and cast back to the activation dtype.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from engine.errors import UnsupportedModelError
+
+# Rope types whose frequencies depend on the running sequence length; a batch
+# mixes requests of many lengths, so one set of frequencies cannot serve them.
+_DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
+
+
+class RMSNorm(nn.Module):
+    """y = weight * x / sqrt(mean(x^2) + eps), reduced in float32.
+
+    `forward(x, residual)` fuses the residual add of a pre-norm block:
+    it returns (norm(x + residual), x + residual), or (norm(x), x) without a
+    residual, so decoder layers thread one `residual` tensor through.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., hidden) -> (..., hidden), x's dtype."""
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """x, residual: (T, hidden). Returns (normed, new_residual), both (T, hidden)."""
+        if residual is not None:
+            x = x + residual
+        return self.normalize(x), x
+
+
+def _rope_init_fn(rope_type: str):
+    """transformers' inverse-frequency function for `rope_type` (config, device) -> (inv_freq, attention_scaling)."""
+    if rope_type == "default":
+        # transformers keeps the unscaled formula on each model's rotary class, not in ROPE_INIT_FUNCTIONS.
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+        return lambda config, device: LlamaRotaryEmbedding.compute_default_rope_parameters(config)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    if rope_type in _DYNAMIC_ROPE_TYPES or rope_type not in ROPE_INIT_FUNCTIONS:
+        supported = ["default"] + [t for t in ROPE_INIT_FUNCTIONS if t not in _DYNAMIC_ROPE_TYPES]
+        raise UnsupportedModelError(f"rope type {rope_type!r} is not supported; supported: {', '.join(supported)}")
+    return ROPE_INIT_FUNCTIONS[rope_type]
+
+
+def rope_parameters(config: PretrainedConfig) -> dict:
+    """The config's rope settings in the transformers-5 layout (`rope_parameters`, with `rope_type`).
+
+    Configs built by older code paths keep them in `rope_scaling` / `rope_theta`;
+    transformers' `standardize_rope_params` folds those into `rope_parameters`.
+    """
+    if hasattr(config, "standardize_rope_params"):
+        config.standardize_rope_params()
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return dict(params)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (rotate-half / NeoX layout, like HF Llama).
+
+    Frequencies come from transformers' rope init functions, so every scaling
+    scheme the library knows (linear, llama3, yarn, ...) is computed by the
+    library. `cos_sin(positions)` runs once per forward; `apply` once per layer.
+    The frequency table is a plain float32 attribute (not a module buffer), so
+    a model built on the meta device keeps it; it follows the positions' device.
+    """
+
+    def __init__(self, config: PretrainedConfig, head_dim: int):
+        super().__init__()
+        rope_type = rope_parameters(config).get("rope_type", "default")
+        with torch.device("cpu"):  # also when the model is being built on the meta device
+            inv_freq, scaling = _rope_init_fn(rope_type)(config, torch.device("cpu"))
+        self.inv_freq = inv_freq.to(device="cpu", dtype=torch.float32)
+        """(rotary_dim // 2,) float32 — inverse frequency of each rotated pair."""
+        self.attention_scaling = float(scaling)
+        self.rotary_dim = 2 * self.inv_freq.numel()
+        if self.rotary_dim != head_dim:
+            raise UnsupportedModelError(f"partial rotary embeddings (rotary dim {self.rotary_dim} != head_dim "
+                                        f"{head_dim}) are not supported")
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        """positions (T,) int64 -> cos, sin: (T, 1, head_dim) in `dtype`, broadcastable over heads."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.attention_scaling).to(dtype)
+        sin = (emb.sin() * self.attention_scaling).to(dtype)
+        return cos[:, None, :], sin[:, None, :]
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x (T, heads, head_dim) rotated by cos/sin from `cos_sin`; same shape and dtype."""
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+
+class SiluAndMul(nn.Module):
+    """(T, 2 * d) = [gate | up] -> (T, d) = silu(gate) * up."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.silu(x[..., :d]) * x[..., d:]

@@ -1,0 +1,235 @@
+"""The Llama family: Llama 2/3, Mistral, Qwen2/2.5, Qwen3 and SmolLM share this file.
+
+Differences between the families are config switches, not subclasses:
+  - q/k/v bias: Qwen2 always, others when `config.attention_bias`;
+  - per-head q/k RMSNorm before rope: Qwen3;
+  - rope scaling (llama3, linear, yarn, ...): computed by transformers' rope utils;
+  - tied input/output embeddings: `config.tie_word_embeddings`.
+
+Parameter names mirror HF's except the fused projections: `qkv_proj` holds
+[q_proj; k_proj; v_proj] rows and `gate_up_proj` holds [gate_proj; up_proj]
+rows, one matmul each. `load_weights` maps HF names onto those slices.
+Sliding-window attention (Mistral v0.1, Qwen2 with use_sliding_window) is not
+applied: contexts must stay within `sliding_window` for HF-identical outputs.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, Optional, Set, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from engine.errors import UnsupportedModelError
+from engine.forward_batch import ForwardBatch
+from engine.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+
+# HF projection name -> (fused parameter name, shard id)
+_STACKED: Dict[str, Tuple[str, str]] = {
+    "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def _head_dim(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention of one layer: fused qkv projection, optional q/k norm, rope, paged attention, o_proj."""
+
+    def __init__(self, config: PretrainedConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = _head_dim(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        is_qwen2 = config.model_type == "qwen2"
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=is_qwen2 or attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=attention_bias and not is_qwen2)
+        self.has_qk_norm = config.model_type == "qwen3"
+        if self.has_qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def shard_rows(self, shard: str) -> Tuple[int, int]:
+        """Row range [start, end) of shard 'q' | 'k' | 'v' inside qkv_proj."""
+        return {"q": (0, self.q_size), "k": (self.q_size, self.q_size + self.kv_size),
+                "v": (self.q_size + self.kv_size, self.q_size + 2 * self.kv_size)}[shard]
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """x (T, hidden); cos/sin (T, 1, head_dim) -> (T, hidden)."""
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(T, self.num_heads, self.head_dim)
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        if self.has_qk_norm:
+            q, k = self.q_norm.normalize(q), self.k_norm.normalize(k)
+        q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+        out = batch.attn_backend.forward(q, k, v, self.layer_id, batch)
+        return self.o_proj(out.reshape(T, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one (2 * intermediate, hidden) matmul."""
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act = SiluAndMul()
+
+    def shard_rows(self, shard: str) -> Tuple[int, int]:
+        """Row range [start, end) of shard 'gate' | 'up' inside gate_up_proj."""
+        n = self.intermediate_size
+        return (0, n) if shard == "gate" else (n, 2 * n)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(T, hidden) -> (T, hidden)."""
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block; the residual stream is threaded through the fused-add RMSNorms."""
+
+    def __init__(self, config: PretrainedConfig, layer_id: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                batch: ForwardBatch) -> Tuple[torch.Tensor, torch.Tensor]:
+        """x, residual (T, hidden) -> (mlp output, residual); the layer's output is their sum."""
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, batch)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        self.rotary_emb = RotaryEmbedding(config, _head_dim(config))
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """batch.input_ids (T,) -> final-normed hidden states (T, hidden)."""
+        x = self.embed_tokens(batch.input_ids)
+        cos, sin = self.rotary_emb.cos_sin(batch.positions, x.dtype)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin, batch)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM over a ForwardBatch; attention goes through `batch.attn_backend`."""
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"hidden_act {act!r} is not supported by the Llama family (only 'silu')")
+        self.config = config
+        self.model = LlamaModel(config)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    @property
+    def num_heads(self) -> int:
+        return self.model.layers[0].self_attn.num_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.model.layers[0].self_attn.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.model.layers[0].self_attn.head_dim
+
+    @property
+    def attn_scale(self) -> float:
+        """Softmax scale the attention backend must use: head_dim ** -0.5."""
+        return self.head_dim ** -0.5
+
+    @property
+    def sliding_window(self) -> Optional[int]:
+        """The HF config's sliding window (not applied here: cap contexts to it), or None."""
+        uses = getattr(self.config, "use_sliding_window", True)
+        return getattr(self.config, "sliding_window", None) if uses else None
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """-> (T, hidden) final-normed hidden states of every new token."""
+        return self.model(batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (N, hidden) -> logits (N, vocab) float32."""
+        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # ---- weights -------------------------------------------------------------------------------
+    def expected_weight_names(self) -> Set[str]:
+        """HF tensor names a complete checkpoint provides (fused parameters expanded to their parts)."""
+        names = set()
+        for name, _ in self.named_parameters():
+            parts = [hf for hf, (fused, _) in _STACKED.items() if f".{fused}." in name]
+            for hf in parts:
+                fused = _STACKED[hf][0]
+                names.add(name.replace(f".{fused}.", f".{hf}."))
+            if not parts:
+                names.add(name)
+        return names
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the parameters (cast to their dtype/device).
+
+        Raises UnsupportedModelError on an unknown name, a shape mismatch, or when
+        a parameter is still missing at the end. `lm_head.weight` is skipped when tied.
+        """
+        params = dict(self.named_parameters())
+        loaded: Set[str] = set()
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES) or (self.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            target, rows = self._locate(name, params)
+            dst = target if rows is None else target[rows[0]:rows[1]]
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise UnsupportedModelError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                                            f"expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded.add(name)
+        missing = self.expected_weight_names() - loaded
+        if missing:
+            raise UnsupportedModelError(f"checkpoint is missing {len(missing)} weight(s), e.g. {sorted(missing)[:5]}")
+
+    def _locate(self, name: str, params: Dict[str, nn.Parameter]) -> Tuple[nn.Parameter, Optional[Tuple[int, int]]]:
+        """HF name -> (our parameter, row range inside it or None for the whole tensor)."""
+        if name in params:
+            return params[name], None
+        for hf, (fused, shard) in _STACKED.items():
+            if f".{hf}." in name:
+                fused_name = name.replace(f".{hf}.", f".{fused}.")
+                if fused_name in params:
+                    owner = self.get_submodule(fused_name.rsplit(".", 2)[0])
+                    return params[fused_name], owner.shard_rows(shard)
+        raise UnsupportedModelError(f"unexpected weight {name!r} for {type(self).__name__} "
+                                    f"({self.config.model_type})")

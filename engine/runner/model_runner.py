@@ -1,0 +1,143 @@
+"""ModelRunner: weights, KV memory and the attention backend of one replica; runs a batch.
+
+    ScheduleBatch (CPU plan, forward_batch prepared) → model.forward → logits of the
+    last new token of each sampled request → Sampler → BatchResult (host lists)
+
+Memory layout decided here: KV pool capacity (from `max_total_tokens`, or from a
+fraction of device memory after the weights), the ReqToTokenPool rows and the
+page allocator.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+from engine.config import EngineConfig
+from engine.errors import OutOfMemoryError
+from engine.memory.allocator import TokenToKVPoolAllocator
+from engine.memory.kv_pool import KVPool
+from engine.memory.req_to_token import ReqToTokenPool
+from engine.models.loader import load_config, load_model
+from engine.models.source import ModelSource
+from engine.runner.sampler import Sampler, SamplingBatchInfo
+from kernels.attention.base import get_backend_class
+
+logger = logging.getLogger(__name__)
+
+# Headroom kept free on a GPU for activations, CUDA graphs and the allocator (bytes).
+GPU_ACTIVATION_RESERVE = 2 << 30
+# Rows of the request table beyond max_running_requests (for chunked / retracting requests).
+EXTRA_REQ_ROWS = 8
+
+
+@dataclass
+class BatchResult:
+    """Sampled tokens of `ScheduleBatch.sampled_reqs`, in order (host lists)."""
+
+    next_token_ids: List[int]
+    logprobs: Optional[List[float]] = None
+    top_logprobs: Optional[List[List[tuple]]] = None
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise OutOfMemoryError(f"device {name!r} requested but CUDA is not available")
+    return device
+
+
+def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, source: ModelSource):
+        self.config = config
+        self.source = source
+        self.device = _resolve_device(config.device)
+        self.dtype = _resolve_dtype(config.dtype, self.device)
+        self._init_model()
+        self._init_memory()
+        self._init_attention_backend()
+        self.sampler = Sampler()
+
+    def _init_model(self) -> None:
+        self.model_config = load_config(self.source)
+        self.model = load_model(self.source, self.model_config, self.config.load_format, self.dtype, self.device,
+                                seed=self.config.random_seed)
+        self.vocab_size = int(self.model_config.vocab_size)
+        self.context_len = int(self.config.context_length or self.model_config.max_position_embeddings)
+
+    def _kv_capacity_tokens(self, bytes_per_token: int) -> int:
+        if self.config.max_total_tokens is not None:
+            return self.config.max_total_tokens
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - total * (1 - self.config.mem_fraction_static) - GPU_ACTIVATION_RESERVE
+            tokens = int(budget // bytes_per_token)
+            if tokens < self.context_len // 8:
+                raise OutOfMemoryError(
+                    f"the model leaves room for only {max(tokens, 0)} KV tokens on {self.device} "
+                    f"(free {free / 2**30:.1f} GiB of {total / 2**30:.1f} GiB); lower the model size or context, "
+                    f"or raise mem_fraction_static")
+            return tokens
+        import psutil  # noqa: PLC0415  (CPU sizing only)
+        budget = psutil.virtual_memory().available * (1 - self.config.mem_fraction_static)
+        return int(min(budget // bytes_per_token, self.config.cpu_max_total_tokens))
+
+    def _init_memory(self) -> None:
+        m = self.model
+        bytes_per_token = KVPool.bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, self.dtype)
+        ps = self.config.page_size
+        num_pages = self._kv_capacity_tokens(bytes_per_token) // ps + 1  # + the reserved page 0
+        self.kv_pool = KVPool(num_pages * ps, m.num_layers, m.num_kv_heads, m.head_dim, self.dtype, self.device)
+        self.allocator = TokenToKVPoolAllocator(num_pages, ps)
+        rows = self.config.max_running_requests + EXTRA_REQ_ROWS
+        self.req_to_token_pool = ReqToTokenPool(rows, self.context_len + ps, self.device)
+        logger.info("KV pool: %d tokens (%d pages of %d), %.1f MiB", self.allocator.size, num_pages - 1, ps,
+                    num_pages * ps * bytes_per_token / 2**20)
+
+    def _init_attention_backend(self) -> None:
+        name = self.config.attention_backend
+        if name == "auto":
+            name = "torch_native"
+        m = self.model
+        self.attn_backend = get_backend_class(name)(
+            self.req_to_token_pool.req_to_token, self.kv_pool, m.num_heads, m.num_kv_heads, m.head_dim,
+            m.head_dim ** -0.5)
+
+    @torch.inference_mode()
+    def run_batch(self, batch) -> BatchResult:
+        """Forward `batch` (a prepared ScheduleBatch) and sample its sampled requests."""
+        fb = batch.forward_batch
+        fb.attn_backend = self.attn_backend
+        self.attn_backend.init_forward_metadata(fb)
+        hidden = self.model(fb)
+        reqs = batch.sampled_reqs
+        if not reqs:
+            return BatchResult(next_token_ids=[])
+        logits = self.model.compute_logits(hidden[fb.last_token_rows[:len(reqs)]])
+        info = SamplingBatchInfo.build(
+            [r.sampling_params for r in reqs], seeds=[r.seed for r in reqs], steps=[len(r.output_ids) for r in reqs],
+            output_ids=[r.output_ids for r in reqs], prompt_ids=[r.origin_input_ids for r in reqs],
+            vocab_size=self.vocab_size, device=self.device)
+        out = self.sampler(logits, info)
+        return BatchResult(
+            next_token_ids=out.next_token_ids.tolist(),
+            logprobs=None if out.logprobs is None else out.logprobs.tolist(),
+            top_logprobs=self._top_logprob_lists(reqs, out))
+
+    @staticmethod
+    def _top_logprob_lists(reqs, out) -> Optional[List[List[tuple]]]:
+        if out.top_logprob_ids is None:
+            return None if out.logprobs is None else [[] for _ in reqs]
+        ids, vals = out.top_logprob_ids.tolist(), out.top_logprob_vals.tolist()
+        return [list(zip(ids[i][:r.sampling_params.top_logprobs], vals[i][:r.sampling_params.top_logprobs]))
+                for i, r in enumerate(reqs)]

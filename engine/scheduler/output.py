@@ -1,0 +1,71 @@
+"""OutputProcessor: new tokens → finish checks, text, stop strings → ReqOutput callbacks.
+
+Per step and per request it appends the sampled token (and its logprobs),
+checks EOS / stop token ids / max_new_tokens / context length, turns tokens
+into text incrementally (when the request has a detokenizer), checks stop
+strings, and at the end of the step calls each request's `on_output` once with
+everything new: tokens are coalesced per step, never one callback per token
+of a batch.
+"""
+from __future__ import annotations
+
+from typing import List
+
+from engine.request import FinishReason, Req, ReqOutput, TokenLogprob
+
+
+class OutputProcessor:
+    def __init__(self, context_len: int):
+        self.context_len = context_len
+
+    def append_token(self, req: Req, result, row: int) -> None:
+        """Record the token sampled for `req` at `row` of the step's result."""
+        token = result.next_token_ids[row]
+        req.output_ids.append(token)
+        if req.sampling_params.logprobs:
+            req.pending_logprobs.append(TokenLogprob(token, result.logprobs[row], result.top_logprobs[row]))
+        req.check_finished(self.context_len)
+        if req.detokenizer is not None:
+            self._append_text(req, req.detokenizer.step([token]))
+
+    def _append_text(self, req: Req, delta: str) -> None:
+        if req.stop_matcher is None:
+            req.pending_text += delta
+            return
+        emit, stopped, matched = req.stop_matcher.feed(delta)
+        req.pending_text += emit
+        if stopped and (req.finish_reason is None or req.finish_reason is not FinishReason.ABORT):
+            req.finish_reason, req.matched_stop = FinishReason.STOP, matched
+
+    def finish(self, req: Req, reason: FinishReason) -> None:
+        """End `req` now (abort, or it outgrew the KV pool) and tell its caller."""
+        if req.finish_reason is None:
+            req.finish_reason = reason
+        self.flush([req])
+
+    def flush(self, reqs: List[Req]) -> None:
+        """Deliver what each request produced since its last callback."""
+        for req in reqs:
+            new_ids = req.output_ids[req.num_emitted:]
+            if not new_ids and not req.finished:
+                continue
+            if req.finished and req.detokenizer is not None and not isinstance(req.matched_stop, str):
+                self._flush_held_text(req)
+            out = ReqOutput(
+                rid=req.rid, new_token_ids=new_ids, text_delta=req.pending_text, logprobs=req.pending_logprobs,
+                finish_reason=req.finish_reason, matched_stop=req.matched_stop,
+                prompt_tokens=len(req.origin_input_ids), cached_tokens=req.cached_tokens,
+                completion_tokens=len(req.output_ids))
+            req.num_emitted = len(req.output_ids)
+            req.pending_text, req.pending_logprobs = "", []
+            req.on_output(out)
+
+    @staticmethod
+    def _flush_held_text(req: Req) -> None:
+        """At the end, text held back (incomplete UTF-8, a possible stop-string prefix) is released."""
+        tail = req.detokenizer.flush()
+        if req.stop_matcher is not None:
+            emit, _, _ = req.stop_matcher.feed(tail)
+            req.pending_text += emit + req.stop_matcher.flush()
+        else:
+            req.pending_text += tail

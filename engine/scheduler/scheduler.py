@@ -1,0 +1,166 @@
+"""Scheduler: continuous batching over one ModelRunner.
+
+One step reads like the loop of SGLang's scheduler:
+
+    process aborts → plan a batch (prefill first, else decode) → run it → process results
+
+Prefill has priority: when waiting requests fit, the step is a prefill batch
+(possibly ending with one chunked request, which continues next step before
+anything else); otherwise the running requests decode one token each. When a
+decode step cannot get KV pages, requests are retracted (their computed KV goes
+to the radix cache, they return to the waiting queue and resume later with
+unchanged output). The scheduler is single-threaded: the Engine calls `step()`
+from its loop thread and feeds requests and aborts through its own queue.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Dict, List, Optional
+
+from engine.forward_batch import ForwardMode
+from engine.memory.kv_cache_manager import KVCacheManager
+from engine.request import FinishReason, Req
+from engine.scheduler.decode import retract_for_decode
+from engine.scheduler.output import OutputProcessor
+from engine.scheduler.policy import order_waiting_queue
+from engine.scheduler.prefill import PrefillAdder
+from engine.scheduler.schedule_batch import ScheduleBatch
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, runner, kv: KVCacheManager, config, context_len: int):
+        self.runner = runner
+        self.kv = kv
+        self.config = config
+        self.context_len = context_len
+        self.waiting: List[Req] = []
+        self.running: List[Req] = []
+        self.chunked_req: Optional[Req] = None
+        self.output = OutputProcessor(context_len)
+        self.counters: Dict[str, int] = dict(prompt_tokens=0, cached_tokens=0, generated_tokens=0,
+                                             retractions=0, finished=0, aborted=0, prefill_steps=0, decode_steps=0)
+
+    # ---- inputs --------------------------------------------------------------------
+    def add_request(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> None:
+        """Mark every request with this rid (or `rid-<i>` children of an n > 1 group) for abort."""
+        for req in self._all_reqs():
+            if req.rid == rid or req.rid.startswith(rid + "#"):
+                req.to_abort = True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked_req)
+
+    def _all_reqs(self) -> List[Req]:
+        return self.waiting + self.running + ([self.chunked_req] if self.chunked_req else [])
+
+    # ---- the loop ----------------------------------------------------------------------
+    def step(self) -> bool:
+        """Run one batch. Returns False when there was nothing to do."""
+        self._process_aborts()
+        batch = self._get_new_prefill_batch() or self._get_decode_batch()
+        if batch is None:
+            return False
+        batch.prepare(self.kv, self.runner.device)
+        result = self.runner.run_batch(batch)
+        self._process_batch_result(batch, result)
+        return True
+
+    def _process_aborts(self) -> None:
+        for req in [r for r in self._all_reqs() if r.to_abort]:
+            if req in self.waiting:
+                self.waiting.remove(req)
+            if req in self.running:
+                self.running.remove(req)
+            if req is self.chunked_req:
+                self.chunked_req = None
+            self.kv.release(req, cache=False)
+            self.counters["aborted"] += 1
+            self.output.finish(req, FinishReason.ABORT)
+
+    def _get_new_prefill_batch(self) -> Optional[ScheduleBatch]:
+        adder = PrefillAdder(self.kv, self.running, self.config.max_prefill_tokens, self.config.chunked_prefill_size,
+                             self.config.new_token_ratio, self.config.max_running_requests)
+        if self.chunked_req is not None:
+            if not adder.add_one(self.chunked_req, admitted=True):
+                return None
+            self.chunked_req = None
+        queue = order_waiting_queue([r for r in self.waiting if self._ready(r)], self.config.schedule_policy,
+                                    self.kv.match)
+        for req in queue:
+            if adder.full or not adder.add_one(req, admitted=False):
+                break
+            self.waiting.remove(req)
+            if req.num_retractions == 0 and not req.output_ids:
+                self.counters["prompt_tokens"] += len(req.origin_input_ids)
+                self.counters["cached_tokens"] += req.prefix_len
+                req.cached_tokens = req.prefix_len
+        if not adder.can_run:
+            return None
+        self.chunked_req = adder.chunked_req
+        return ScheduleBatch(ForwardMode.EXTEND, adder.can_run, chunked_req=adder.chunked_req)
+
+    @staticmethod
+    def _ready(req: Req) -> bool:
+        """An n > 1 sibling waits until the first of its group has its prompt cached."""
+        first = req.wait_for
+        if first is None or first.prompt_done or first.finished:
+            req.wait_for = None
+            return True
+        return False
+
+    def _get_decode_batch(self) -> Optional[ScheduleBatch]:
+        if not self.running:
+            return None
+        retracted = retract_for_decode(self.running, self.kv, self.output, self.context_len)
+        for req in retracted:
+            self.counters["retractions"] += 1
+            if not req.finished:
+                self.waiting.insert(0, req)
+        if not self.running:
+            return None
+        for req in self.running:
+            req.extend_len = 1
+        return ScheduleBatch(ForwardMode.DECODE, list(self.running))
+
+    def _process_batch_result(self, batch: ScheduleBatch, result) -> None:
+        self.counters["prefill_steps" if batch.mode is ForwardMode.EXTEND else "decode_steps"] += 1
+        for req in batch.reqs:
+            req.kv_len += req.extend_len
+            req.extend_len = 0
+        if batch.chunked_req is not None:
+            self.kv.cache_unfinished(batch.chunked_req)
+        for i, req in enumerate(batch.sampled_reqs):
+            self.output.append_token(req, result, i)
+            self.counters["generated_tokens"] += 1
+            if req.finished:
+                self.kv.release(req, cache=True)
+                self.counters["finished"] += 1
+                if req in self.running:
+                    self.running.remove(req)
+            elif batch.mode is ForwardMode.EXTEND:
+                self.kv.cache_unfinished(req)
+                self.running.append(req)
+        self.output.flush(batch.reqs)
+
+    # ---- introspection ------------------------------------------------------------------
+    def stats(self) -> Dict[str, float]:
+        alloc, tree = self.kv.allocator, self.kv.tree
+        used = alloc.size - alloc.available_size() - tree.evictable_size()
+        prompt = self.counters["prompt_tokens"]
+        return dict(
+            running=len(self.running) + (1 if self.chunked_req else 0),
+            waiting=len(self.waiting),
+            kv_total_tokens=alloc.size,
+            kv_free_tokens=alloc.available_size(),
+            kv_cached_tokens=tree.total_size(),
+            kv_evictable_tokens=tree.evictable_size(),
+            kv_usage=used / alloc.size,
+            cache_hit_rate=(self.counters["cached_tokens"] / prompt) if prompt else 0.0,
+            **self.counters,
+        )

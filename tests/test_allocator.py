@@ -1,0 +1,60 @@
+"""TokenToKVPoolAllocator and ReqToTokenPool: page accounting, continuation inside pages, double frees."""
+import pytest
+import torch
+
+from engine.memory.allocator import TokenToKVPoolAllocator
+from engine.memory.req_to_token import ReqToTokenPool
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_alloc_extend_continues_partial_page(page_size):
+    a = TokenToKVPoolAllocator(num_pages=9, page_size=page_size)
+    assert a.size == 8 * page_size and a.available_size() == a.size
+    first = a.alloc_extend([0], [5], [-1])
+    assert len(set(first.tolist())) == 5
+    if page_size == 16:  # one page, contiguous
+        assert first.tolist() == list(range(page_size, page_size + 5))
+    assert (first >= page_size).all(), "page 0 is reserved"
+    more = a.alloc_extend([5], [7], [int(first[-1])])
+    if page_size == 16:  # continues in the same page
+        assert more.tolist() == [page_size + 5, page_size + 6]
+    slots = torch.cat([first, more])
+    assert len(set(slots.tolist())) == 7
+    a.free(slots)
+    assert a.available_size() == a.size
+
+
+def test_alloc_decode_takes_new_page_only_at_page_start():
+    a = TokenToKVPoolAllocator(num_pages=5, page_size=4)
+    base = a.alloc_extend([0, 0], [4, 3], [-1, -1])
+    last = torch.tensor([int(base[3]), int(base[6])])
+    out = a.alloc_decode(torch.tensor([5, 4]), last)
+    # request 0: position 4 starts a page → new page; request 1: position 3 continues.
+    assert int(out[0]) % 4 == 0 and int(out[0]) // 4 not in (int(base[0]) // 4, int(base[4]) // 4)
+    assert int(out[1]) == int(base[6]) + 1
+
+
+def test_out_of_pages_returns_none_and_takes_nothing():
+    a = TokenToKVPoolAllocator(num_pages=3, page_size=2)
+    assert a.alloc_extend([0], [5], [-1]) is None
+    assert a.available_size() == 4
+
+
+def test_double_free_raises():
+    a = TokenToKVPoolAllocator(num_pages=4, page_size=1)
+    s = a.alloc_extend([0], [2], [-1])
+    a.free(s)
+    with pytest.raises(RuntimeError, match="double free"):
+        a.free(s)
+
+
+def test_req_to_token_rows():
+    pool = ReqToTokenPool(size=2, max_context_len=8, device=torch.device("cpu"))
+    r = pool.alloc()
+    pool.write(r, 0, torch.tensor([5, 6, 7]))
+    pool.write(r, 3, torch.tensor([9]))
+    assert pool.read(r, 4).tolist() == [5, 6, 7, 9]
+    pool.alloc()
+    assert pool.available_size() == 0
+    pool.free(r)
+    assert pool.available_size() == 1
