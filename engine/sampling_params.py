@@ -37,6 +37,11 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    # Structured output: at most one; the output is constrained to match it (xgrammar).
+    json_schema: Optional[str] = None
+    """A JSON schema as a JSON string; '{"type": "object"}' for any JSON object."""
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -90,3 +95,6 @@ class SamplingParams:
         check(self.seed is None or is_int(self.seed), "seed", "must be an integer or None")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         check(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be token ids >= 0")
+        constraints = [c for c in (self.json_schema, self.regex, self.ebnf) if c is not None]
+        check(len(constraints) <= 1, "json_schema", "cannot be combined with regex or ebnf (give one constraint)")
+        check(all(isinstance(c, str) and c for c in constraints), "json_schema", "/regex/ebnf must be non-empty strings")

@@ -10,10 +10,14 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
+import transformers
+import transformers.modeling_gguf_pytorch_utils
 
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.memory.kv_pool import KVPool
 from kernels.attention.base import get_backend_class
+from engine.models.loader import cached_gguf_name_map
+from engine.models.source import ModelSource
 
 
 @dataclass
@@ -80,3 +84,17 @@ class GreedyHarness:
             next_ids = logits.argmax(-1).tolist()
         decode_logits = [torch.stack(d) if d else torch.empty(0) for d in decode]
         return GreedyResult(prefill_logits, decode_logits, [s[len(p):] for s, p in zip(seqs, prompts)])
+
+
+def hf_model_from_gguf(source: ModelSource, config) -> torch.nn.Module:
+    """The HF reference on the same dequantized weights (what from_pretrained(gguf_file=...) does, minus accelerate)."""
+    with torch.device("meta"):
+        names_model = transformers.AutoModelForCausalLM.from_config(config)
+    with cached_gguf_name_map():
+        tensors = transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint(source.gguf_path, return_tensors=True, model_to_load=names_model)["tensors"]
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    result = hf.load_state_dict(tensors, strict=False)
+    assert not result.unexpected_keys and set(result.missing_keys) <= {"lm_head.weight"}, result
+    assert hf.lm_head.weight is hf.model.embed_tokens.weight  # tied
+    return hf

@@ -70,8 +70,10 @@ def test_finish_reasons(default_engine):
     stop_id = greedy.token_ids[3]
     by_id = default_engine.generate(PROMPT, dict(temperature=0, max_new_tokens=20, stop_token_ids=[stop_id]))
     assert by_id.finish_reason == "stop" and by_id.token_ids == greedy.token_ids[:greedy.token_ids.index(stop_id) + 1]
-    # max_new_tokens
+    # max_new_tokens (0: prefill only, the prompt is cached)
     assert default_engine.generate(PROMPT, dict(temperature=0, max_new_tokens=3)).finish_reason == "length"
+    zero = default_engine.generate(PROMPT + " zero", dict(max_new_tokens=0))
+    assert zero.finish_reason == "length" and zero.token_ids == [] and zero.text == ""
     # EOS: the chat template makes the model answer and end its turn; ignore_eos runs on.
     chat = tok.apply_chat_template([{"role": "user", "content": "Say hi."}])
     eos = default_engine.generate(chat, dict(temperature=0, max_new_tokens=64))

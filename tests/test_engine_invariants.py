@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import PROMPTS, assert_no_leak, make_engine
+from model_harness import hf_model_from_gguf
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 24}
 
@@ -22,17 +23,17 @@ def reference(default_engine):
 
 def test_greedy_matches_transformers(default_engine):
     """8 diverse prompts × 48 new tokens, run together as one batch, equal HF generate token for token."""
-    from transformers import AutoModelForCausalLM
-
-    src = default_engine.source
-    hf = AutoModelForCausalLM.from_pretrained(src.folder, gguf_file=src.gguf_file, dtype=torch.float32).eval()
     ours = default_engine.generate(PROMPTS, {"temperature": 0.0, "max_new_tokens": 48, "ignore_eos": True})
-    for prompt, out in zip(PROMPTS, ours):
-        ids = torch.tensor([default_engine.tokenizer.encode(prompt)])
-        with torch.inference_mode():
-            gen = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=48,
-                              min_new_tokens=48, eos_token_id=None, pad_token_id=0)
-        expected = gen[0, ids.shape[1]:].tolist()
+    hf = hf_model_from_gguf(default_engine.source, default_engine.runner.model_config)
+    # One left-padded batch (HF derives positions from the attention mask); EOS off to get all 48 tokens.
+    prompts = [default_engine.tokenizer.encode(p) for p in PROMPTS]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    hf.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        ref = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=48, pad_token_id=0)
+    for prompt, out, expected in zip(PROMPTS, ours, ref[:, width:].tolist()):
         assert out.token_ids == expected, f"prompt {prompt!r}: ours {out.text!r}"
     assert_no_leak(default_engine)
 

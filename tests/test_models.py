@@ -6,14 +6,13 @@ import os
 
 import pytest
 import torch
-from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config,
                           Qwen3Config)
 
 from engine.errors import ModelNotFoundError, UnsupportedModelError
-from engine.models.loader import cached_gguf_name_map, load_config, load_model
+from engine.models.loader import load_config, load_model
 from engine.models.registry import get_model_class
-from engine.models.source import ModelSource, resolve_model
+from engine.models.source import ModelSource
 from model_harness import GreedyHarness
 
 CPU = torch.device("cpu")
@@ -33,15 +32,6 @@ TINY_CONFIGS = {
     "qwen3": (lambda: Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False), None),
 }
 
-# SmolLM2 tokenizer ids of: "The capital of France is", "def fibonacci(n):", "Once upon a time, in a small
-# village by the sea, there lived", "1, 2, 3, 4, 5,", "The three primary colors are", "Water boils at a
-# temperature of", "In machine learning, a neural network is", "Hello! My name is"
-DEFAULT_PROMPTS = [
-    [504, 3575, 282, 4649, 314], [1604, 3987, 46477, 24, 94, 727],
-    [6403, 1980, 253, 655, 28, 281, 253, 1165, 6560, 411, 260, 3426, 28, 665, 4161],
-    [33, 28, 216, 34, 28, 216, 35, 28, 216, 36, 28, 216, 37, 28], [504, 1296, 3003, 4683, 359],
-    [12615, 36411, 418, 253, 2779, 282], [788, 3746, 1380, 28, 253, 8844, 3082, 314], [19556, 17, 3361, 1462, 314],
-]
 
 
 def save_tiny_model(name: str, folder) -> torch.nn.Module:
@@ -163,40 +153,3 @@ def test_incomplete_or_foreign_checkpoint_rejected(tiny_models):
         model.load_weights([("model.layers.0.self_attn.rotary.bogus", torch.zeros(1))])
     with pytest.raises(UnsupportedModelError, match="shape"):
         model.load_weights([("model.layers.0.self_attn.q_proj.weight", torch.zeros(3, 3))])
-
-
-def hf_model_from_gguf(source: ModelSource, config) -> torch.nn.Module:
-    """The HF reference on the same dequantized weights (what from_pretrained(gguf_file=...) does, minus accelerate)."""
-    with torch.device("meta"):
-        names_model = AutoModelForCausalLM.from_config(config)
-    with cached_gguf_name_map():
-        tensors = load_gguf_checkpoint(source.gguf_path, return_tensors=True, model_to_load=names_model)["tensors"]
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    result = hf.load_state_dict(tensors, strict=False)
-    assert not result.unexpected_keys and set(result.missing_keys) <= {"lm_head.weight"}, result
-    assert hf.lm_head.weight is hf.model.embed_tokens.weight  # tied
-    return hf
-
-
-@pytest.mark.slow
-def test_default_model_greedy_matches_hf_generate():
-    """8 prompts x 16 tokens as one batch through our model == HF greedy generate (float32, CPU)."""
-    try:
-        source = resolve_model(None)
-    except ModelNotFoundError as e:
-        pytest.skip(str(e))
-    config = load_config(source)
-    model = load_model(source, config, "auto", torch.float32, CPU)
-    res = GreedyHarness(model, max_len=64).generate(DEFAULT_PROMPTS, max_new_tokens=16)
-    del model
-    hf = hf_model_from_gguf(source, config)
-    # one left-padded batch (HF derives positions from the attention mask); EOS disabled to get all 16 tokens
-    width = max(map(len, DEFAULT_PROMPTS))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in DEFAULT_PROMPTS])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in DEFAULT_PROMPTS])
-    hf.generation_config.eos_token_id = None
-    with torch.no_grad():
-        ref = hf.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
-                          pad_token_id=0)[:, width:].tolist()
-    assert res.output_ids == ref

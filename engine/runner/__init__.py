@@ -1,1 +1,6 @@
-"""TODO docstring."""
+"""Running a batch on the device.
+
+    ModelRunner (model_runner.py)  loads the model, sizes and owns the KV pool, picks the attention
+                                   backend, runs forward + sampling for a prepared ScheduleBatch
+    Sampler (sampler.py)           logits → token ids (+ logprobs), batched, counter-based seeded RNG
+"""

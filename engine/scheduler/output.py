@@ -20,6 +20,9 @@ class OutputProcessor:
 
     def append_token(self, req: Req, result, row: int) -> None:
         """Record the token sampled for `req` at `row` of the step's result."""
+        if req.sampling_params.max_new_tokens == 0:  # prefill only (caches the prompt)
+            req.finish_reason = FinishReason.LENGTH
+            return
         token = result.next_token_ids[row]
         req.output_ids.append(token)
         if req.sampling_params.logprobs:

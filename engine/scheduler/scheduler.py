@@ -22,7 +22,7 @@ from engine.memory.kv_cache_manager import KVCacheManager
 from engine.request import FinishReason, Req
 from engine.scheduler.decode import retract_for_decode
 from engine.scheduler.output import OutputProcessor
-from engine.scheduler.policy import order_waiting_queue
+from engine.scheduler.policy import InBatchPrefixIndex, order_waiting_queue
 from engine.scheduler.prefill import PrefillAdder
 from engine.scheduler.schedule_batch import ScheduleBatch
 
@@ -86,15 +86,22 @@ class Scheduler:
     def _get_new_prefill_batch(self) -> Optional[ScheduleBatch]:
         adder = PrefillAdder(self.kv, self.running, self.config.max_prefill_tokens, self.config.chunked_prefill_size,
                              self.config.new_token_ratio, self.config.max_running_requests)
+        in_batch = InBatchPrefixIndex() if self.config.schedule_policy == "lpm" and self.kv.use_tree else None
         if self.chunked_req is not None:
             if not adder.add_one(self.chunked_req, admitted=True):
                 return None
+            if in_batch is not None:
+                in_batch.add(self.chunked_req.fill_ids)
             self.chunked_req = None
         queue = order_waiting_queue([r for r in self.waiting if self._ready(r)], self.config.schedule_policy,
                                     self.kv.match)
         for req in queue:
+            if in_batch is not None and in_batch.should_wait(req.fill_ids, self.kv.match(req)):
+                continue
             if adder.full or not adder.add_one(req, admitted=False):
                 break
+            if in_batch is not None:
+                in_batch.add(req.fill_ids)
             self.waiting.remove(req)
             if req.num_retractions == 0 and not req.output_ids:
                 self.counters["prompt_tokens"] += len(req.origin_input_ids)
