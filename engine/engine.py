@@ -26,6 +26,7 @@ from engine.memory.kv_cache_manager import KVCacheManager
 from engine.memory.radix_cache import RadixCache
 from engine.models.source import resolve_model
 from engine.request import Req, ReqOutput, TokenLogprob
+from engine.runner.grammar import GrammarCompiler, GrammarState
 from engine.runner.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler.scheduler import Scheduler
@@ -94,6 +95,7 @@ class Engine:
         self.source = resolve_model(model)
         self.tokenizer = load_tokenizer(self.source)
         self.runner = ModelRunner(self.config, self.source)
+        self.grammar = GrammarCompiler(self.tokenizer.hf, self.runner.vocab_size, self.tokenizer.eos_token_ids)
         self._init_scheduler()
         self._init_loop()
 
@@ -238,9 +240,12 @@ class Engine:
 
     def _make_group(self, prompt: Prompt, params: SamplingParams, rid: Optional[str],
                     on_output: Optional[Callable[[ReqOutput], None]]) -> List[Req]:
-        """The n requests of one prompt. Choices 1..n-1 wait until choice 0 has cached the prompt."""
+        """The n requests of one prompt. Choices 1..n-1 wait until choice 0 has cached the prompt.
+        A constraint (json_schema / regex / ebnf) is compiled here, once per group; each choice
+        gets its own GrammarState."""
         params = SamplingParams.from_any(params)
         ids = self._tokenize(prompt)
+        compiled = self.grammar.compile(params)
         rid = rid or uuid.uuid4().hex
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
         reqs: List[Req] = []
@@ -251,7 +256,8 @@ class Engine:
                 on_output=on_output if on_output is not None else _Accumulator(i),
                 detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
                 stop_matcher=StopStringMatcher(params.stop) if params.stop else None,
-                wait_for=reqs[0] if i and not self.config.disable_radix_cache else None))
+                wait_for=reqs[0] if i and not self.config.disable_radix_cache else None,
+                grammar=GrammarState(compiled) if compiled is not None else None))
         return reqs
 
     def _submit(self, reqs: List[Req]) -> None:

@@ -11,6 +11,8 @@ The next forward computes positions [kv_len, kv_len + extend_len): the rest of
 the prompt (or a chunk of it) in a prefill, the last output token in a decode.
 A retracted request keeps its output_ids and resumes with a prefill over
 fill_ids, so its KV is rebuilt (mostly from the cache) and sampling continues.
+Its `grammar` (structured output) has consumed exactly output_ids and is kept
+as is: nothing is re-accepted on resume.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from engine.sampling_params import SamplingParams
 
 
 class FinishReason(str, enum.Enum):
-    STOP = "stop"          # EOS, a stop token id or a stop string
+    STOP = "stop"          # EOS, a stop token id, a stop string, or a completed grammar
     LENGTH = "length"      # max_new_tokens or the context length
     ABORT = "abort"        # aborted by the caller or the engine
 
@@ -56,7 +58,7 @@ class ReqOutput:
 class Req:
     def __init__(self, rid: str, input_ids: List[int], params: SamplingParams, seed: int,
                  eos_token_ids: frozenset, on_output: Callable[[ReqOutput], None], detokenizer=None,
-                 stop_matcher=None, wait_for: Optional["Req"] = None):
+                 stop_matcher=None, wait_for: Optional["Req"] = None, grammar=None):
         self.rid = rid
         self.origin_input_ids = list(input_ids)
         self.output_ids: List[int] = []
@@ -69,6 +71,8 @@ class Req:
         self.stop_matcher = stop_matcher
         self.wait_for = wait_for
         """Another request (the first of an n>1 group) whose prompt must be cached before this one is scheduled."""
+        self.grammar = grammar
+        """GrammarState (runner/grammar.py) constraining the output, or None; advanced by the OutputProcessor."""
         # KV ownership
         self.req_pool_idx: Optional[int] = None
         self.prefix_indices: torch.Tensor = torch.empty(0, dtype=torch.int64)

@@ -1,3 +1,21 @@
-"""serving: the HTTP front end (OpenAI protocol models, FastAPI routes, metrics) and the single-node
-server. Imports `engine`, never `ray`. Built in the next slice (issue 3); empty until then.
+"""serving: the HTTP front end (OpenAI protocol, FastAPI routes, metrics) and the single-node
+server. Imports `engine`, never `ray`; the cluster ingress reuses `build_app` over its own backend.
+
+Data flow and owners:
+
+    HTTP ─▶ app.py           middlewares: request metrics, 413 body limit, 401 API key
+         ─▶ openai_routes.py  /v1/models, /v1/tokenize, /v1/detokenize, and
+              completions.py  /v1/completions   prompt(s) → ids
+              chat.py         /v1/chat/completions  messages (+ tools, tool_calls.py) → chat template → ids
+            generate_routes.py  SGLang /generate, /health, /metrics (metrics.py)
+         ─▶ state.py          model check, context check, OpenAI body → engine SamplingParams
+         ─▶ streams.py        GenerationStream: one backend stream per prompt, primed (rejections are
+                              400/503 before any byte), merged; closed on finish/error/disconnect,
+                              which aborts the request in the engine (its KV pages are freed)
+         ─▶ backend.py        ServingBackend (ids in, StreamOutputs out): EngineBackend runs one
+                              in-process engine.Engine; the cluster's ingress brings its own
+         ◀─ chat_stream.py / completions.py: StreamOutputs → JSON or SSE chunks; protocol.py models
+
+Tokenize once, here (DESIGN §1): backends see token ids only. Errors leave as OpenAI error bodies
+(errors.py). `python -m serving --model PATH` runs the single-node server (__main__.py).
 """

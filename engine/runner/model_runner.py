@@ -1,7 +1,8 @@
 """ModelRunner: weights, KV memory and the attention backend of one replica; runs a batch.
 
     ScheduleBatch (CPU plan, forward_batch prepared) → model.forward → logits of the
-    last new token of each sampled request → Sampler → BatchResult (host lists)
+    last new token of each sampled request → Sampler (grammar rows masked by their
+    Req.grammar bitmask) → BatchResult (host lists)
 
 Memory layout decided here: KV pool capacity (from `max_total_tokens`, or from a
 fraction of device memory after the weights), the ReqToTokenPool rows and the
@@ -127,7 +128,7 @@ class ModelRunner:
         info = SamplingBatchInfo.build(
             [r.sampling_params for r in reqs], seeds=[r.seed for r in reqs], steps=[len(r.output_ids) for r in reqs],
             output_ids=[r.output_ids for r in reqs], prompt_ids=[r.origin_input_ids for r in reqs],
-            vocab_size=self.vocab_size, device=self.device)
+            vocab_size=self.vocab_size, device=self.device, grammars=[r.grammar for r in reqs])
         out = self.sampler(logits, info)
         return BatchResult(
             next_token_ids=out.next_token_ids.tolist(),
@@ -139,5 +140,6 @@ class ModelRunner:
         if out.top_logprob_ids is None:
             return None if out.logprobs is None else [[] for _ in reqs]
         ids, vals = out.top_logprob_ids.tolist(), out.top_logprob_vals.tolist()
-        return [list(zip(ids[i][:r.sampling_params.top_logprobs], vals[i][:r.sampling_params.top_logprobs]))
-                for i, r in enumerate(reqs)]
+        # Tokens a grammar forbids have logprob -inf: they are no candidates, so they are left out.
+        ks = [r.sampling_params.top_logprobs for r in reqs]
+        return [[(t, v) for t, v in zip(ids[i][:k], vals[i][:k]) if v != float("-inf")] for i, k in enumerate(ks)]

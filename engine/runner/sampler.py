@@ -2,14 +2,16 @@
 
 Data flow of one call; every stage is batched tensor work on `logits.device`:
 
-    logits (bs, V) ─ penalties ─┬─▶ log_softmax ─▶ logprobs / top logprobs
-                                ├─▶ argmax ─────────────────────────▶ greedy rows
-                                └─ ÷ temperature ─ top-k ─ top-p ─ min-p ─ + Gumbel(seed, step, v) ─ argmax ─▶ other rows
+    logits (bs, V) ─ penalties ─ grammar mask (rows with a grammar) ─▶ z
+    z ─┬─▶ log_softmax ─▶ logprobs / top logprobs
+       ├─▶ argmax ─────────────────────────▶ greedy rows
+       └─ ÷ temperature ─ top-k ─ top-p ─ min-p ─ + Gumbel(seed, step, v) ─ argmax ─▶ other rows
 
 Logprobs are the log-softmax of the logits *after penalties, before temperature
 and filtering*: they describe the model's (penalised) distribution, not the
 truncated one sampled from. With no penalties they equal the raw model logprobs
-(vLLM's default).
+(vLLM's default). Grammar rows (structured output) are masked first, as in SGLang:
+their logprobs are over the allowed tokens, and greedy takes the allowed argmax.
 
 Randomness is counter-based: the uniform for (row i, token v) is a pure integer
 hash of (seeds[i], steps[i], v). A seeded request therefore draws the same
@@ -22,6 +24,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from engine.runner.grammar import GrammarState, VocabMask, build_vocab_mask
 from engine.sampling_params import SamplingParams
 
 # --- counter-based hash ------------------------------------------------------------------
@@ -146,6 +149,8 @@ class SamplingBatchInfo:
     top_logprobs_nums: List[int]
     """Top logprobs wanted per row (0 = none); the sampler computes max() of them for all rows."""
     vocab_size: int
+    vocab_mask: Optional[VocabMask] = None
+    """Allowed tokens of the rows with a grammar (None when no row has one)."""
 
     @property
     def batch_size(self) -> int:
@@ -158,12 +163,13 @@ class SamplingBatchInfo:
     @classmethod
     def build(cls, params: List[SamplingParams], seeds: List[int], steps: List[int],
               output_ids: List[List[int]], prompt_ids: List[List[int]], vocab_size: int,
-              device) -> "SamplingBatchInfo":
+              device, grammars: Optional[Sequence[Optional[GrammarState]]] = None) -> "SamplingBatchInfo":
         """Gather per-request parameters into device tensors.
 
         `seeds[i]` is request i's effective seed (the engine draws one when unseeded);
         `steps[i]` is len(output_ids[i]) in normal decoding. Token statistics are built
-        only when some request uses a penalty.
+        only when some request uses a penalty. `grammars[i]` (optional) constrains row i;
+        its bitmask is filled here, from the grammar's current state.
         """
         bs = len(params)
         assert len(seeds) == len(steps) == len(output_ids) == len(prompt_ids) == bs
@@ -193,6 +199,7 @@ class SamplingBatchInfo:
             return_logprobs=any(p.logprobs or p.top_logprobs > 0 for p in params),
             top_logprobs_nums=[p.top_logprobs for p in params],
             vocab_size=vocab_size,
+            vocab_mask=build_vocab_mask(grammars, vocab_size, torch.device(device)) if grammars else None,
         )
 
     @staticmethod
@@ -242,6 +249,8 @@ class Sampler:
         assert logits.shape == (info.batch_size, info.vocab_size), (tuple(logits.shape), info.vocab_size)
         if info.penalties is not None:
             info.penalties.apply_(logits)
+        if info.vocab_mask is not None:
+            info.vocab_mask.apply_(logits)
         logprobs_all = torch.log_softmax(logits, dim=-1) if info.return_logprobs else None
 
         if info.is_all_greedy:

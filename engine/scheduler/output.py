@@ -1,7 +1,9 @@
 """OutputProcessor: new tokens → finish checks, text, stop strings → ReqOutput callbacks.
 
 Per step and per request it appends the sampled token (and its logprobs),
-checks EOS / stop token ids / max_new_tokens / context length, turns tokens
+advances the request's grammar (a completed grammar finishes it with "stop",
+its stop token counted like EOS), checks EOS / stop token ids /
+max_new_tokens / context length, turns tokens
 into text incrementally (when the request has a detokenizer), checks stop
 strings, and at the end of the step calls each request's `on_output` once with
 everything new: tokens are coalesced per step, never one callback per token
@@ -9,9 +11,12 @@ of a batch.
 """
 from __future__ import annotations
 
+import logging
 from typing import List
 
 from engine.request import FinishReason, Req, ReqOutput, TokenLogprob
+
+logger = logging.getLogger(__name__)
 
 
 class OutputProcessor:
@@ -27,9 +32,21 @@ class OutputProcessor:
         req.output_ids.append(token)
         if req.sampling_params.logprobs:
             req.pending_logprobs.append(TokenLogprob(token, result.logprobs[row], result.top_logprobs[row]))
+        if req.grammar is not None:
+            self._advance_grammar(req, token)
         req.check_finished(self.context_len)
         if req.detokenizer is not None:
             self._append_text(req, req.detokenizer.step([token]))
+
+    @staticmethod
+    def _advance_grammar(req: Req, token: int) -> None:
+        """Feed `token` to the request's grammar; finish on completion ("stop") or rejection ("abort")."""
+        if not req.grammar.accept(token):
+            # The sampler masked every forbidden token, so this means a bug (or NaN logits).
+            logger.error("request %s: grammar rejected sampled token %d; finishing it", req.rid, token)
+            req.finish_reason = FinishReason.ABORT
+        elif req.grammar.is_terminated():
+            req.finish_reason, req.matched_stop = FinishReason.STOP, token
 
     def _append_text(self, req: Req, delta: str) -> None:
         if req.stop_matcher is None:

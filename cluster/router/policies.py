@@ -1,0 +1,192 @@
+"""Routing policies: a small abstract base, a registry by name, and the `Router` façade.
+
+A policy's `choose(input_ids, state)` only decides; it never writes the state
+(beyond its own counter or random generator). The caller records the choice with
+`state.on_routed(worker, input_ids)`, which inserts the prompt into the chosen
+worker's approximate tree — for every policy, so cache statistics stay comparable.
+`Router.route` does both in one call.
+
+    cache_aware   SGLang's algorithm (see CacheAwarePolicy)
+    round_robin   workers in join order, in turn
+    power_of_two  two distinct workers at random, the lower load wins
+    random        uniform
+    prefix_hash   rendezvous hashing of the first `prefix_hash_tokens` tokens: adding or
+                  removing a worker moves only the keys that it wins or held
+"""
+from __future__ import annotations
+
+import hashlib
+import random
+from abc import ABC, abstractmethod
+from array import array
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Dict, List, Optional, Sequence, Type
+
+from cluster.router.state import ClusterState, RouterConfig, WorkerId
+
+
+class NoWorkersError(RuntimeError):
+    """The cluster has no worker to route to."""
+
+
+@dataclass(frozen=True)
+class RoutingDecision:
+    worker_id: WorkerId
+    matched_tokens: int
+    """Prompt tokens the chosen worker's approximate tree holds (estimated cache hit)."""
+    reason: str
+    """cache_hit | cache_miss | imbalanced (cache_aware), else the policy's name."""
+
+
+class RoutingPolicy(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, config: Optional[RouterConfig] = None, rng: Optional[random.Random] = None):
+        self.config = config or RouterConfig()
+        self.rng = rng or random.Random()
+
+    @abstractmethod
+    def choose(self, input_ids: Sequence[int], state: ClusterState) -> RoutingDecision:
+        """Pick a worker for a prompt; raises NoWorkersError on an empty cluster."""
+
+    @staticmethod
+    def _workers(state: ClusterState) -> List[WorkerId]:
+        if not state.workers:
+            raise NoWorkersError("no workers to route to")
+        return state.worker_ids
+
+    def _decide(self, worker_id: WorkerId, input_ids: Sequence[int], state: ClusterState,
+                reason: Optional[str] = None) -> RoutingDecision:
+        return RoutingDecision(worker_id, state.match(worker_id, input_ids), reason or self.name)
+
+
+_REGISTRY: Dict[str, Type[RoutingPolicy]] = {}
+
+
+def register_policy(name: str) -> Callable[[Type[RoutingPolicy]], Type[RoutingPolicy]]:
+    def wrap(cls: Type[RoutingPolicy]) -> Type[RoutingPolicy]:
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+    return wrap
+
+
+def available_policies() -> List[str]:
+    return sorted(_REGISTRY)
+
+
+def make_policy(name: str, config: Optional[RouterConfig] = None,
+                rng: Optional[random.Random] = None) -> RoutingPolicy:
+    try:
+        cls = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown routing policy {name!r}; choose from {available_policies()}") from None
+    return cls(config, rng)
+
+
+@register_policy("cache_aware")
+class CacheAwarePolicy(RoutingPolicy):
+    """SGLang's cache-aware routing.
+
+    1. Imbalanced — max_load - min_load > balance_abs_threshold AND
+       max_load > balance_rel_threshold * min_load — route to the least loaded worker.
+    2. Else match the prompt against every worker's tree. If the best match rate
+       matched / len(prompt) > cache_threshold, route to that worker (ties: lower load).
+    3. Else (a miss) route to the least loaded worker (DESIGN §6; ties: smaller tree),
+       or with miss_policy="smallest_tree" to SGLang's choice, the smallest tree.
+    Remaining ties go to the earlier-joined worker.
+    """
+
+    def choose(self, input_ids: Sequence[int], state: ClusterState) -> RoutingDecision:
+        workers = self._workers(state)
+        cfg = self.config
+        tokens = input_ids if isinstance(input_ids, tuple) else tuple(input_ids)
+        loads = state.loads()
+        sizes = {w: state.workers[w].tree.size() for w in workers}
+        max_load, min_load = max(loads.values()), min(loads.values())
+        if (max_load - min_load > cfg.balance_abs_threshold
+                and max_load > cfg.balance_rel_threshold * min_load):
+            target = min(workers, key=lambda w: (loads[w], sizes[w]))
+            return RoutingDecision(target, state.match(target, tokens), "imbalanced")
+        matches = {w: state.match(w, tokens) for w in workers}
+        best = max(workers, key=lambda w: (matches[w], -loads[w]))
+        if tokens and matches[best] / len(tokens) > cfg.cache_threshold:
+            return RoutingDecision(best, matches[best], "cache_hit")
+        if cfg.miss_policy == "smallest_tree":
+            target = min(workers, key=lambda w: (sizes[w], loads[w]))
+        else:
+            target = min(workers, key=lambda w: (loads[w], sizes[w]))
+        return RoutingDecision(target, matches[target], "cache_miss")
+
+
+@register_policy("round_robin")
+class RoundRobinPolicy(RoutingPolicy):
+    def __init__(self, config: Optional[RouterConfig] = None, rng: Optional[random.Random] = None):
+        super().__init__(config, rng)
+        self._next = 0
+
+    def choose(self, input_ids: Sequence[int], state: ClusterState) -> RoutingDecision:
+        workers = self._workers(state)
+        target = workers[self._next % len(workers)]
+        self._next += 1
+        return self._decide(target, input_ids, state)
+
+
+@register_policy("power_of_two")
+class PowerOfTwoPolicy(RoutingPolicy):
+    """Sample two distinct workers; the lower load wins (ties: the first sampled)."""
+
+    def choose(self, input_ids: Sequence[int], state: ClusterState) -> RoutingDecision:
+        workers = self._workers(state)
+        if len(workers) == 1:
+            return self._decide(workers[0], input_ids, state)
+        a, b = self.rng.sample(workers, 2)
+        target = b if state.load(b) < state.load(a) else a
+        return self._decide(target, input_ids, state)
+
+
+@register_policy("random")
+class RandomPolicy(RoutingPolicy):
+    def choose(self, input_ids: Sequence[int], state: ClusterState) -> RoutingDecision:
+        return self._decide(self.rng.choice(self._workers(state)), input_ids, state)
+
+
+@register_policy("prefix_hash")
+class PrefixHashPolicy(RoutingPolicy):
+    """Rendezvous (highest random weight) hashing of the first prefix_hash_tokens tokens.
+
+    Each worker scores hash(prefix digest, worker id); the highest score wins. A new
+    worker takes only the keys it now scores highest on (about 1/n of them); a removed
+    worker's keys spread over the rest; every other key keeps its worker. Hashes are
+    blake2b, so choices agree across processes and router replicas.
+    """
+
+    def choose(self, input_ids: Sequence[int], state: ClusterState) -> RoutingDecision:
+        workers = self._workers(state)
+        prefix = array("q", input_ids[:self.config.prefix_hash_tokens]).tobytes()
+        digest = hashlib.blake2b(prefix, digest_size=16).digest()
+        target = max(workers, key=lambda w: _score(digest, w))
+        return self._decide(target, input_ids, state)
+
+
+def _score(digest: bytes, worker_id: WorkerId) -> bytes:
+    return hashlib.blake2b(str(worker_id).encode(), digest_size=8, key=digest).digest()
+
+
+class Router:
+    """One policy over one ClusterState, both built from the same RouterConfig."""
+
+    def __init__(self, policy: str = "cache_aware", config: Optional[RouterConfig] = None,
+                 rng: Optional[random.Random] = None, state: Optional[ClusterState] = None):
+        self.config = config or (state.config if state is not None else RouterConfig())
+        self.state = state or ClusterState(self.config)
+        self.policy = make_policy(policy, self.config, rng)
+
+    def route(self, input_ids: Sequence[int]) -> RoutingDecision:
+        """Choose a worker and record the request as in flight there (prompt into its tree)."""
+        decision = self.policy.choose(input_ids, self.state)
+        self.state.on_routed(decision.worker_id, input_ids)
+        return decision
+
+    def finish(self, worker_id: WorkerId) -> None:
+        self.state.on_finished(worker_id)

@@ -1,0 +1,204 @@
+"""Structured output: JSON schema, regex and EBNF constraints, compiled and enforced by xgrammar.
+
+Data flow and owners:
+
+    SamplingParams.json_schema / regex / ebnf
+      ─GrammarCompiler.compile (Engine, caller's thread; cached per (kind, text))─▶ xgrammar.CompiledGrammar
+      ─one GrammarState per choice (Req.grammar)─┐
+    ModelRunner: build_vocab_mask(grammars) ─────┴─▶ VocabMask (bs, ceil(V / 32)) int32 bitmask
+    Sampler: VocabMask.apply_(logits) ─▶ disallowed logits = -inf ─▶ sample / argmax
+    OutputProcessor: GrammarState.accept(token) ─▶ is_terminated() ⇒ finish "stop"
+
+A GrammarState lives as long as its Req and has consumed exactly `req.output_ids`.
+A retracted request keeps both, so on resume (a prefill over prompt + outputs) nothing
+is re-accepted: the next sampled token is the next one the matcher sees.
+
+xgrammar is imported lazily (importing it takes seconds), on the first grammar request.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, List, NamedTuple, Optional, Sequence
+
+import torch
+
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
+# Strips xgrammar's C++ log prefix ("[12:00:00] /project/cpp/x.cc:83: ") from error messages.
+_CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+?:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+class GrammarKey(NamedTuple):
+    """What identifies a compiled grammar: the constraint kind and its exact text."""
+
+    kind: str
+    """One of GRAMMAR_KINDS (the SamplingParams field name)."""
+    text: str
+
+
+def grammar_key(params: SamplingParams) -> Optional[GrammarKey]:
+    """The (kind, text) constraint of `params`, or None when it has none (validated: at most one)."""
+    for kind in GRAMMAR_KINDS:
+        text = getattr(params, kind)
+        if text is not None:
+            return GrammarKey(kind, text)
+    return None
+
+
+class GrammarCompiler:
+    """Compiles constraints against one tokenizer; owned by the Engine, shared by its callers.
+
+    Contract:
+    - `compile(params)` runs in the caller's thread and either returns a CompiledGrammar
+      (None without a constraint) or raises InvalidRequestError with `param` naming the
+      field; the engine loop never sees an invalid grammar.
+    - Repeated constraints are cheap: an LRU of `cache_size` CompiledGrammars keyed by
+      GrammarKey answers them without calling xgrammar (a dict lookup under a lock).
+      xgrammar's own compiler cache sits behind it. Two threads compiling the same new
+      key at once may both call xgrammar; the first result is kept.
+    - The bitmask covers `vocab_size` (the model's logits width), which may exceed the
+      tokenizer's vocabulary; xgrammar never allows the extra ids.
+    - Thread-safe.
+    """
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
+                 cache_size: int = 256, max_threads: Optional[int] = None):
+        self.hf_tokenizer = hf_tokenizer
+        self.vocab_size = int(vocab_size)
+        self.stop_token_ids = sorted(int(t) for t in stop_token_ids)
+        self.cache_size = cache_size
+        self.max_threads = max_threads or min(8, os.cpu_count() or 1)
+        self._cache: "OrderedDict[GrammarKey, Any]" = OrderedDict()
+        self._lock = threading.Lock()
+        self._compiler: Any = None
+        self.stats = dict(hits=0, compiles=0)
+
+    def compile(self, params: SamplingParams) -> Optional[Any]:
+        """The xgrammar.CompiledGrammar of `params`' constraint (None when it has none).
+
+        Raises InvalidRequestError(param=kind) when the schema, regex or grammar is invalid
+        or unsupported.
+        """
+        key = grammar_key(params)
+        if key is None:
+            return None
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                self.stats["hits"] += 1
+                return compiled
+        compiled = self._compile(key)
+        with self._lock:
+            compiled = self._cache.setdefault(key, compiled)
+            self._cache.move_to_end(key)
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+            self.stats["compiles"] += 1
+        return compiled
+
+    def _xgrammar_compiler(self, kind: str) -> Any:
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr  # noqa: PLC0415  (slow import: only once a grammar is used)
+
+                try:
+                    info = xgr.TokenizerInfo.from_huggingface(self.hf_tokenizer, vocab_size=self.vocab_size,
+                                                              stop_token_ids=self.stop_token_ids or None)
+                except Exception as exc:  # noqa: BLE001 - reported to the caller as unsupported
+                    raise InvalidRequestError(f"structured output is not supported for this tokenizer: {exc}",
+                                              param=kind) from exc
+                self._compiler = xgr.GrammarCompiler(info, max_threads=self.max_threads)
+            return self._compiler
+
+    def _compile(self, key: GrammarKey) -> Any:
+        compiler = self._xgrammar_compiler(key.kind)
+        if key.kind == "json_schema":
+            try:
+                json.loads(key.text)
+            except ValueError as exc:
+                raise InvalidRequestError(f"json_schema is not valid JSON: {exc}", param="json_schema") from exc
+        try:
+            if key.kind == "json_schema":
+                return compiler.compile_json_schema(key.text)
+            if key.kind == "regex":
+                return compiler.compile_regex(key.text)
+            return compiler.compile_grammar(key.text)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            what = {"json_schema": "JSON schema", "regex": "regex", "ebnf": "EBNF grammar"}[key.kind]
+            msg = _CPP_PREFIX.sub("", str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc))
+            raise InvalidRequestError(f"invalid or unsupported {what}: {msg}", param=key.kind) from exc
+
+
+class GrammarState:
+    """One request's position in its grammar (wraps xgrammar.GrammarMatcher).
+
+    Used only by the engine loop thread. It has consumed exactly the request's output
+    tokens; it ends terminated once it accepts a stop token (EOS) after a complete match.
+    """
+
+    def __init__(self, compiled: Any):
+        import xgrammar as xgr  # noqa: PLC0415
+
+        self._matcher = xgr.GrammarMatcher(compiled)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into `bitmask[row]` ((bs, ceil(V / 32)) int32, cpu)."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one sampled token; False (state unchanged) when the grammar forbids it."""
+        return bool(self._matcher.accept_token(int(token_id)))
+
+    def is_terminated(self) -> bool:
+        """True once the grammar is complete and its stop token has been accepted."""
+        return bool(self._matcher.is_terminated())
+
+
+@dataclass
+class VocabMask:
+    """Allowed-token bitmask of one batch's grammar rows."""
+
+    bitmask: torch.Tensor
+    """(bs, ceil(V / 32)) int32, on the logits' device; bit v of row i set = token v allowed."""
+    rows: List[int]
+    """Batch rows that have a grammar; the other rows are left untouched."""
+
+    def apply_(self, logits: torch.Tensor) -> None:
+        """Set disallowed logits of the grammar rows to -inf, in place ((bs, V) float32)."""
+        import xgrammar as xgr  # noqa: PLC0415
+
+        xgr.apply_token_bitmask_inplace(logits, self.bitmask, vocab_size=logits.shape[1], indices=self.rows)
+
+
+def build_vocab_mask(grammars: Sequence[Optional[GrammarState]], vocab_size: int,
+                     device: torch.device) -> Optional[VocabMask]:
+    """The VocabMask of a batch (row i = grammars[i]), or None when no row has a grammar.
+
+    Filled on the CPU row by row (xgrammar's matchers are host objects; a fill costs a few µs
+    from its per-state mask cache, less than xgrammar.BatchGrammarMatcher's thread hand-off),
+    then copied to `device` once for the whole batch.
+    """
+    rows = [i for i, g in enumerate(grammars) if g is not None]
+    if not rows:
+        return None
+    import xgrammar as xgr  # noqa: PLC0415
+
+    bitmask = xgr.allocate_token_bitmask(len(grammars), vocab_size)
+    for i in rows:
+        grammars[i].fill_bitmask(bitmask, i)
+    if device.type == "cuda":
+        bitmask = bitmask.pin_memory().to(device, non_blocking=True)
+    elif device.type != "cpu":
+        bitmask = bitmask.to(device)
+    return VocabMask(bitmask=bitmask, rows=rows)

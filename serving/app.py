@@ -1,0 +1,131 @@
+"""build_app: the FastAPI application over one ServingBackend.
+
+Request path: ASGI middlewares (outermost first) count requests by route and status
+(`_RequestMetrics`), reject bodies over `max_body_bytes` with 413 (`_BodyLimit`, which buffers
+the body and replays it) and check the API key on /v1/* and /generate (`_ApiKeyAuth`); then the
+routes (openai_routes, generate_routes) translate to token ids and SamplingParams and stream from
+the backend. The cluster ingress builds the same app over its own backend.
+"""
+from __future__ import annotations
+
+import hmac
+from typing import Optional
+
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from serving import generate_routes, openai_routes
+from serving.backend import ServingBackend
+from serving.errors import error_response, install_error_handlers
+from serving.metrics import Metrics
+from serving.state import ServingState
+
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+def build_app(backend: ServingBackend, *, api_key: Optional[str] = None, model_name: str,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, title: str = "radixserve") -> FastAPI:
+    """The OpenAI-compatible app serving `backend` under `model_name`.
+
+    `api_key`: when set, /v1/* and /generate need `Authorization: Bearer <api_key>` (401
+    otherwise); /health and /metrics stay open. `max_body_bytes`: larger bodies get a 413.
+    """
+    app = FastAPI(title=title, version="0.1.0",
+                  description="OpenAI-compatible API (completions, chat completions, models, tokenize) "
+                              "and SGLang's native /generate.")
+    metrics = Metrics(model_name)
+    app.state.serving = ServingState(backend=backend, model_name=model_name, metrics=metrics)
+    install_error_handlers(app)
+    app.include_router(openai_routes.router)
+    app.include_router(generate_routes.router)
+    if api_key:
+        app.add_middleware(_ApiKeyAuth, api_key=api_key)
+    app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(_RequestMetrics, metrics=metrics)
+    return app
+
+
+def _protected(path: str) -> bool:
+    return path.startswith("/v1/") or path == "/generate"
+
+
+class _ApiKeyAuth:
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and _protected(scope["path"]):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                resp = error_response(401, "invalid or missing API key (send Authorization: Bearer <key>)", None,
+                                      "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _BodyLimit:
+    """Reads the whole request body (up to max_bytes), answers 413 beyond it, replays it otherwise."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._too_large(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        resp = error_response(413, f"request body larger than {self.max_bytes} bytes", None, "body_too_large")
+        await resp(scope, receive, send)
+
+
+class _RequestMetrics:
+    """Counts responses by route template and status code."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = {"code": 500}
+
+        async def send_wrapper(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = scope.get("route")
+            path = getattr(route, "path", None) or "unmatched"
+            self.metrics.requests.labels(route=path, status=str(status["code"])).inc()

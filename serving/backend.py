@@ -1,0 +1,81 @@
+"""ServingBackend: what the HTTP routes need from whatever runs the model.
+
+The routes validate, apply the chat template and tokenize once; a backend only ever sees token
+ids. `EngineBackend` runs one in-process `engine.Engine` (the single-node server); the cluster's
+ingress implements the same base with a router in front of remote workers.
+
+Contract of `generate_stream(input_ids, params, rid)`:
+- yields `engine.StreamOutput`s (per step, per choice `index` in [0, params.n)) until every
+  choice has a `finish_reason`;
+- raises `engine.errors.InvalidRequestError` / `QueueFullError` before the first output when
+  the request is rejected;
+- when the consumer stops early (closes or cancels the iterator), the request is aborted and
+  every KV page it held is freed. `abort(rid)` does the same from outside.
+"""
+from __future__ import annotations
+
+import abc
+import asyncio
+from typing import Any, AsyncIterator, Dict, List
+
+from engine.sampling_params import SamplingParams
+
+
+class ServingBackend(abc.ABC):
+    """The model behind the routes: a tokenizer, a context length, and a token-id stream."""
+
+    tokenizer: Any
+    """engine.tokenizer.Tokenizer: chat template, encode, decode, eos ids."""
+    context_len: int
+    """Max prompt + output tokens of one request."""
+
+    @property
+    def vocab_size(self) -> int:
+        """Valid token ids are [0, vocab_size)."""
+        return self.tokenizer.vocab_size
+
+    @abc.abstractmethod
+    def generate_stream(self, input_ids: List[int], params: SamplingParams,
+                        rid: str) -> AsyncIterator[Any]:
+        """An async iterator of StreamOutput (see the module docstring for the contract)."""
+
+    @abc.abstractmethod
+    def abort(self, rid: str) -> None:
+        """Abort every choice of request `rid` (a no-op when it already finished)."""
+
+    @abc.abstractmethod
+    async def stats(self) -> Dict[str, float]:
+        """At least running, waiting, kv_usage, cache_hit_rate (what /metrics exports)."""
+
+    @abc.abstractmethod
+    async def health(self) -> bool:
+        """True while requests can be served."""
+
+
+class EngineBackend(ServingBackend):
+    """One in-process engine.Engine."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.context_len = engine.context_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.runner.vocab_size
+
+    def generate_stream(self, input_ids: List[int], params: SamplingParams, rid: str) -> AsyncIterator[Any]:
+        return self.engine.generate_stream(input_ids, params, rid=rid)
+
+    def abort(self, rid: str) -> None:
+        self.engine.abort(rid)
+
+    async def stats(self) -> Dict[str, float]:
+        return await asyncio.to_thread(self.engine.stats)
+
+    async def health(self) -> bool:
+        try:
+            await asyncio.wait_for(self.stats(), timeout=10)
+        except Exception:  # noqa: BLE001 - any failure means unhealthy
+            return False
+        return True

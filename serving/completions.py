@@ -1,0 +1,101 @@
+"""POST /v1/completions: prompts (text or ids) → choices, JSON or SSE.
+
+Choice index = prompt index × n + choice index (OpenAI's order). `logprobs=k` returns the legacy
+format (tokens, token_logprobs, top_logprobs with k alternatives, text_offset). `echo` prepends
+the prompt text; the engine computes no prompt logprobs, so echo with logprobs is a 400.
+"""
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Dict, List, Optional
+
+from fastapi import APIRouter, Request
+
+from serving.errors import APIError
+from serving.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, new_id
+from serving.state import ServingState, UsageTracker, get_state
+from serving.streams import GenerationStream, SSEResponse, cancel_on_disconnect, collect, sse, sse_events
+
+router = APIRouter()
+
+
+def legacy_logprobs(st: ServingState, logprobs: List[Any], offset: int) -> CompletionLogprobs:
+    """The legacy completions logprobs of `logprobs` (engine TokenLogprobs), text offsets from `offset`."""
+    out = CompletionLogprobs()
+    for lp in logprobs:
+        tok = st.token_str(lp.token_id)
+        out.tokens.append(tok)
+        out.token_logprobs.append(lp.logprob)
+        out.top_logprobs.append({st.token_str(t): v for t, v in lp.top_logprobs})
+        out.text_offset.append(offset)
+        offset += len(tok)
+    return out
+
+
+def _check(body: CompletionRequest) -> None:
+    if body.suffix:
+        raise APIError(400, "suffix is not supported", "suffix", "unsupported")
+    if body.best_of is not None and body.best_of != body.n:
+        raise APIError(400, "best_of must equal n (or be null)", "best_of", "unsupported")
+    if body.echo and body.logprobs is not None:
+        raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)", "echo", "unsupported")
+
+
+@router.post("/v1/completions", response_model=CompletionResponse, responses={200: {"content": {
+    "text/event-stream": {}}}})
+async def create_completion(body: CompletionRequest, request: Request):
+    st = get_state(request)
+    st.check_model(body.model)
+    _check(body)
+    prompts = st.prompt_ids(body.prompt)
+    max_tokens = 16 if body.max_tokens is None else body.max_tokens
+    for ids in prompts:
+        st.check_context(len(ids), max_tokens, "prompt")
+    params = st.sampling_params(body, max_tokens, logprobs=body.logprobs is not None,
+                                top_logprobs=body.logprobs or 0)
+    rid = new_id("cmpl")
+    echo = [st.tokenizer.decode(ids) if body.echo else "" for ids in prompts]
+    stream = await GenerationStream.start(st.backend, prompts, params, rid, st.metrics.timer())
+    if body.stream:
+        return SSEResponse(sse_events(stream, _events(st, body, rid, stream, echo)))
+    states = await cancel_on_disconnect(request, collect(stream, len(prompts), params.n))
+    n = params.n
+    choices = []
+    for k, s in enumerate(states):
+        prefix = echo[k // n]
+        lps = legacy_logprobs(st, s.logprobs, len(prefix)) if body.logprobs is not None else None
+        choices.append(CompletionChoice(index=k, text=prefix + s.full_text, logprobs=lps,
+                                        finish_reason=s.finish_reason))
+    heads = states[::n]
+    usage = st.usage(sum(s.prompt_tokens for s in heads), sum(s.cached_tokens for s in heads),
+                     sum(s.completion_tokens for s in states))
+    return CompletionResponse(id=rid, model=st.model_name, choices=choices, usage=usage)
+
+
+async def _events(st: ServingState, body: CompletionRequest, rid: str, stream: GenerationStream,
+                  echo: List[str]) -> AsyncIterator[str]:
+    n = stream.n
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    offsets: Dict[int, int] = {}
+    usage = UsageTracker()
+    base = {"id": rid, "object": "text_completion", "model": st.model_name}
+    created = CompletionResponse(id=rid, model=st.model_name, choices=[]).created
+    async for i, out in stream.iterate():
+        usage.add(i, out)
+        k = i * n + out.index
+        text = out.text
+        if k not in offsets:
+            text = echo[i] + text
+            offsets[k] = len(echo[i])
+        lps: Optional[dict] = None
+        if body.logprobs is not None:
+            lps = legacy_logprobs(st, out.logprobs or [], offsets[k]).model_dump()
+            offsets[k] += sum(len(t) for t in lps["tokens"])
+        if not text and lps is None and out.finish_reason is None:
+            continue
+        choice = {"index": k, "text": text, "logprobs": lps, "finish_reason": out.finish_reason}
+        chunk: Dict[str, Any] = {**base, "created": created, "choices": [choice]}
+        if include_usage:
+            chunk["usage"] = None
+        yield sse(chunk)
+    if include_usage:
+        yield sse({**base, "created": created, "choices": [], "usage": usage.usage().model_dump()})

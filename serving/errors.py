@@ -1,0 +1,111 @@
+"""OpenAI-style error bodies and the exception handlers that produce them.
+
+Every error leaves the server as
+
+    {"error": {"message": str, "type": str, "param": str | null, "code": str | int | null}}
+
+with: 400 invalid request (pydantic validation included, FastAPI's 422 becomes 400), 401 bad or
+missing API key, 404 unknown route, 413 body too large, 503 queue full / engine down. Bad input
+never reaches the 500 handler; that one exists so a bug still answers in the same shape.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.errors import EngineDeadError, EngineError, InvalidRequestError, QueueFullError
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error", 503: "service_unavailable", 500: "internal_server_error"}
+
+
+class APIError(Exception):
+    """An error the routes raise on purpose; turned into an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Any = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_body(status: int, message: str, param: Optional[str] = None, code: Any = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: Optional[str] = None, code: Any = None,
+                   headers: Optional[dict] = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """Map an engine (or serving) exception to the APIError the client sees."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, str(exc), exc.param, "invalid_request")
+    if isinstance(exc, QueueFullError):
+        return APIError(503, str(exc), None, "queue_full")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), None, "engine_unavailable")
+    logger.exception("internal error", exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}", None, "internal_error")
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "null"}
+
+
+def _param_path(loc: tuple) -> Optional[str]:
+    """'messages.0.content' from pydantic's loc, without 'body' and union-member tags like 'list[int]'."""
+    parts = []
+    for p in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(p, str) and ("[" in p or p in _TYPE_TAGS or p.startswith(("function-", "constrained-"))):
+            break
+        parts.append(str(p))
+    return ".".join(parts) or None
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request body", None
+    first = errors[0]
+    param = _param_path(tuple(first.get("loc", ())))
+    msg = first.get("msg", "invalid value")
+    more = f" (and {len(errors) - 1} more error(s))" if len(errors) > 1 else ""
+    return (f"{param}: {msg}{more}" if param else f"{msg}{more}"), param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(EngineError)
+    async def _engine_error(_: Request, exc: EngineError) -> JSONResponse:
+        err = to_api_error(exc)
+        return error_response(err.status, err.message, err.param, err.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(400, message, param, "invalid_request")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404:
+            message = "not found: no such route"
+        return error_response(exc.status_code, message, None, None, getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _other(_: Request, exc: Exception) -> JSONResponse:
+        err = to_api_error(exc)
+        return error_response(err.status, err.message, err.param, err.code)

@@ -1,0 +1,127 @@
+"""ServingState: what every route shares (backend, model name, metrics) and the request → engine
+translation they have in common: model check, prompt → ids, context check, SamplingParams, token
+strings for logprobs, usage."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+from fastapi import Request
+
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
+from serving.backend import ServingBackend
+from serving.errors import APIError
+from serving.metrics import Metrics
+from serving.protocol import PromptTokensDetails, Usage
+
+
+@dataclass
+class ServingState:
+    backend: ServingBackend
+    model_name: str
+    metrics: Metrics
+    _token_strs: Dict[int, str] = field(default_factory=dict)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.backend.tokenizer
+
+    def check_model(self, model: Optional[str]) -> None:
+        if model != self.model_name:
+            raise APIError(400, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           "model", "model_not_found")
+
+    def prompt_ids(self, prompt: Any) -> List[List[int]]:
+        """A completions `prompt` (string, strings, ids, or lists of ids) → one id list per prompt."""
+        if isinstance(prompt, str):
+            prompts: List[Any] = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise APIError(400, "prompt must not be empty", "prompt", "invalid_request")
+        out = []
+        for p in prompts:
+            ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            self.check_ids(ids, "prompt")
+            out.append(ids)
+        return out
+
+    def check_ids(self, ids: Sequence[int], param: str) -> None:
+        if not ids:
+            raise APIError(400, f"{param} must not be empty", param, "invalid_request")
+        vocab = self.backend.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token ids must be in [0, {vocab}), got {bad[:4]}", param, "invalid_request")
+
+    def check_context(self, prompt_len: int, max_tokens: Optional[int], param: str) -> int:
+        """The max_tokens to use (default: the rest of the context); 400 when the request cannot fit."""
+        ctx = self.backend.context_len
+        if prompt_len >= ctx:
+            raise APIError(400, f"This model's maximum context length is {ctx} tokens. However, your prompt "
+                                f"has {prompt_len} tokens (at least one token must be left to generate).",
+                           param, "context_length_exceeded")
+        if max_tokens is None:
+            return ctx - prompt_len
+        if prompt_len + max_tokens > ctx:
+            raise APIError(400, f"This model's maximum context length is {ctx} tokens. However, you requested "
+                                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for "
+                                f"the completion). Please reduce the prompt or max_tokens.",
+                           "max_tokens", "context_length_exceeded")
+        return max_tokens
+
+    @staticmethod
+    def sampling_params(body: Any, max_tokens: int, *, logprobs: bool = False, top_logprobs: int = 0,
+                        json_schema: Optional[str] = None) -> SamplingParams:
+        """SamplingParams from an OpenAI body (plus SGLang extras); out-of-range values → 400."""
+        values = dict(
+            max_new_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k, min_p=body.min_p, repetition_penalty=body.repetition_penalty,
+            frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
+            stop=body.stop, stop_token_ids=body.stop_token_ids, seed=body.seed, n=body.n,
+            ignore_eos=body.ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs,
+            skip_special_tokens=body.skip_special_tokens, json_schema=json_schema, regex=body.regex,
+            ebnf=body.ebnf)
+        try:
+            return SamplingParams.from_any(values)
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc), exc.param, "invalid_request") from exc
+
+    def token_str(self, token_id: int) -> str:
+        s = self._token_strs.get(token_id)
+        if s is None:
+            s = self._token_strs[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return s
+
+    @staticmethod
+    def usage(prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> Usage:
+        return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+
+
+def get_state(request: Request) -> ServingState:
+    return request.app.state.serving
+
+
+class UsageTracker:
+    """Token counts of a request's choices as they stream; a prompt counts once however many choices."""
+
+    def __init__(self) -> None:
+        self._prompt: Dict[int, tuple] = {}
+        self._completion: Dict[tuple, int] = {}
+
+    def add(self, prompt_index: int, out: Any) -> None:
+        if out.index == 0 or prompt_index not in self._prompt:
+            self._prompt[prompt_index] = (out.prompt_tokens, out.cached_tokens)
+        self._completion[(prompt_index, out.index)] = out.completion_tokens
+
+    def usage(self) -> Usage:
+        prompt = sum(p for p, _ in self._prompt.values())
+        cached = sum(c for _, c in self._prompt.values())
+        return ServingState.usage(prompt, cached, sum(self._completion.values()))

@@ -1,0 +1,251 @@
+"""The server over raw HTTP (httpx): error statuses and bodies, SSE framing, auth, body limit,
+queue full, /generate, tokenize, health, metrics, and client disconnects freeing KV pages."""
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from conftest import assert_no_leak
+from serving_harness import MODEL, serve, wait_idle
+
+KEY = "sk-test-key"
+
+
+@pytest.fixture(scope="module")
+def base_url(default_engine):
+    from serving.app import build_app
+    from serving.backend import EngineBackend
+
+    with serve(build_app(EngineBackend(default_engine), model_name=MODEL)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def secure_url(default_engine):
+    from serving.app import build_app
+    from serving.backend import EngineBackend
+
+    with serve(build_app(EngineBackend(default_engine), model_name=MODEL, api_key=KEY, max_body_bytes=4096)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def http(base_url):
+    with httpx.Client(base_url=base_url, timeout=60) as c:
+        yield c
+
+
+def assert_error(r: httpx.Response, status: int, param=None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+def cmpl(**kw):
+    return {"model": MODEL, "prompt": "Hello", "max_tokens": 4, **kw}
+
+
+def chat(**kw):
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, **kw}
+
+
+@pytest.mark.parametrize("body,param", [
+    (cmpl(model="gpt-4"), "model"),
+    (cmpl(temperature=-1), "temperature"),
+    (cmpl(temperature=3), "temperature"),
+    (cmpl(top_p=0), "top_p"),
+    (cmpl(n=0), "n"),
+    (cmpl(max_tokens=-1), "max_tokens"),
+    (cmpl(logprobs=21), "logprobs"),
+    (cmpl(presence_penalty=5), "presence_penalty"),
+    (cmpl(top_k=0), "top_k"),
+    (cmpl(prompt=[]), "prompt"),
+    (cmpl(prompt=""), "prompt"),
+    (cmpl(prompt=[10**9]), "prompt"),
+    (cmpl(prompt=[-1]), "prompt"),
+    (cmpl(stop=[""]), "stop"),
+    (cmpl(echo=True, logprobs=1), "echo"),
+    (cmpl(max_tokens=100000), "max_tokens"),
+    (cmpl(prompt=None), "prompt"),
+    (cmpl(regex="a", ebnf='root ::= "a"'), "json_schema"),
+    (chat(messages=[]), "messages"),
+    (chat(messages=[{"role": "wizard", "content": "x"}]), None),
+    (chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), "messages"),
+    (chat(tool_choice="required"), "tool_choice"),
+    (chat(tools=[{"type": "function", "function": {"name": "f"}}],
+          tool_choice={"type": "function", "function": {"name": "g"}}), "tool_choice"),
+    (chat(top_logprobs=2), "top_logprobs"),
+    (chat(max_completion_tokens=10**6), "max_tokens"),
+    (chat(response_format={"type": "json_schema"}), "response_format"),
+    (chat(response_format={"type": "xml"}), None),
+])
+def test_invalid_requests_are_400(http, body, param):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    err = assert_error(http.post(path, json=body), 400, param)
+    assert err["type"] == "invalid_request_error"
+
+
+def test_context_overflow_message(http, default_engine):
+    err = assert_error(http.post("/v1/completions", json=cmpl(max_tokens=default_engine.context_len)), 400)
+    assert "maximum context length" in err["message"] and err["code"] == "context_length_exceeded"
+    long_prompt = list(range(100, 100 + default_engine.context_len))
+    err = assert_error(http.post("/v1/completions", json=cmpl(prompt=long_prompt)), 400, "prompt")
+    assert "context length" in err["message"]
+
+
+def test_malformed_bodies_are_400(http):
+    assert_error(http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}),
+                 400)
+    assert_error(http.post("/v1/completions", json=[1, 2]), 400)
+    assert_error(http.post("/v1/chat/completions", json={"model": MODEL}), 400, "messages")
+    assert_error(http.post("/generate", json={"text": "x", "sampling_params": {"bogus": 1}}), 400, "bogus")
+    assert_error(http.post("/generate", json={"text": "x", "sampling_params": {"temperature": "hot"}}), 400)
+    assert_error(http.post("/generate", json={}), 400)
+
+
+def test_unknown_route_404_and_method_405(http):
+    assert_error(http.get("/v1/nope"), 404)
+    assert_error(http.post("/nope", json={}), 404)
+    assert_error(http.get("/v1/models/other-model"), 404)
+    assert http.get("/v1/completions").status_code == 405
+
+
+def test_auth_and_body_limit(secure_url):
+    with httpx.Client(base_url=secure_url, timeout=60) as c:
+        assert_error(c.get("/v1/models"), 401)
+        assert_error(c.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
+        assert_error(c.post("/generate", json={"text": "x"}), 401)
+        auth = {"Authorization": f"Bearer {KEY}"}
+        assert c.get("/v1/models", headers=auth).json()["data"][0]["id"] == MODEL
+        assert c.get("/health").status_code == 200
+        assert c.get("/metrics").status_code == 200
+        assert_error(c.post("/v1/completions", headers=auth, json=cmpl(prompt="x" * 10000)), 413)
+        # A chunked body (no Content-Length) over the limit is refused too.
+        chunks = iter([b'{"model": "', b"x" * 5000, b'"}'])
+        assert_error(c.post("/v1/completions", headers=auth, content=chunks), 413)
+        r = c.post("/v1/completions", headers=auth, json=cmpl())
+        assert r.status_code == 200 and r.json()["choices"][0]["text"]
+
+
+def test_queue_full_is_503(http, default_engine):
+    config = default_engine.config
+    object.__setattr__(config, "max_queued_requests", 0)  # frozen dataclass; restored below
+    try:
+        err = assert_error(http.post("/v1/completions", json=cmpl()), 503)
+        assert err["code"] == "queue_full"
+        assert_error(http.post("/v1/chat/completions", json=chat(stream=True)), 503)
+    finally:
+        object.__setattr__(config, "max_queued_requests", None)
+    assert http.post("/v1/completions", json=cmpl()).status_code == 200
+
+
+def _sse_lines(response: httpx.Response) -> list:
+    lines = [line for line in response.iter_lines()]
+    events = [line for line in lines if line]
+    assert all(e.startswith("data: ") for e in events), events
+    assert events[-1] == "data: [DONE]"
+    return [json.loads(e[len("data: "):]) for e in events[:-1]]
+
+
+def test_sse_framing(http):
+    with http.stream("POST", "/v1/completions", json=cmpl(stream=True, n=2)) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        chunks = _sse_lines(r)
+    assert {c["choices"][0]["index"] for c in chunks} == {0, 1}
+    assert all(c["object"] == "text_completion" for c in chunks)
+    usage = {"include_usage": True}
+    with http.stream("POST", "/v1/chat/completions", json=chat(stream=True, stream_options=usage)) as r:
+        chunks = _sse_lines(r)
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] > 0
+    assert all(c["usage"] is None for c in chunks[:-1])
+    with http.stream("POST", "/generate", json={"text": "Hello", "stream": True,
+                                                  "sampling_params": {"max_new_tokens": 4}}) as r:
+        chunks = _sse_lines(r)
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert len(chunks[-1]["output_ids"]) == 4
+
+
+def test_generate_native(http, default_engine):
+    ref = default_engine.generate("Hello", {"temperature": 0, "max_new_tokens": 6})
+    r = http.post("/generate", json={"text": "Hello", "sampling_params": {"temperature": 0, "max_new_tokens": 6}})
+    assert r.status_code == 200
+    out = r.json()
+    assert out["text"] == ref.text and out["output_ids"] == ref.token_ids
+    assert out["meta_info"]["completion_tokens"] == 6
+    ids = default_engine.tokenizer.encode("Hello")
+    batch = http.post("/generate", json={"input_ids": [ids, ids], "return_logprob": True, "top_logprobs_num": 2,
+                                         "sampling_params": {"temperature": 0, "max_new_tokens": 6}}).json()
+    assert [b["text"] for b in batch] == [ref.text, ref.text]
+    assert len(batch[0]["meta_info"]["output_token_logprobs"]) == 6
+
+
+def test_tokenize_detokenize_health_metrics(http, default_engine):
+    tok = http.post("/v1/tokenize", json={"model": MODEL, "prompt": "Hello world"}).json()
+    assert tok["tokens"] == default_engine.tokenizer.encode("Hello world") and tok["count"] == len(tok["tokens"])
+    assert tok["max_model_len"] == default_engine.context_len
+    chat_tok = http.post("/v1/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat_tok["tokens"] == default_engine.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert http.post("/v1/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"] == "Hello world"
+    assert_error(http.post("/v1/detokenize", json={"tokens": [-5]}), 400, "tokens")
+    assert_error(http.post("/v1/tokenize", json={}), 400)
+    assert http.get("/health").status_code == 200
+    http.post("/v1/completions", json=cmpl())
+    text = http.get("/metrics").text
+    for name in ("radixserve_requests_total", "radixserve_prompt_tokens_total", "radixserve_generation_tokens_total",
+                 "radixserve_time_to_first_token_seconds_bucket", "radixserve_inter_token_latency_seconds_bucket",
+                 "radixserve_e2e_request_latency_seconds_bucket", "radixserve_num_requests_running",
+                 "radixserve_num_requests_waiting", "radixserve_kv_cache_usage_ratio",
+                 "radixserve_prefix_cache_hit_rate"):
+        assert name in text, name
+    assert 'route="/v1/completions",status="200"' in text and 'status="400"' in text
+
+
+def _long(**kw):
+    return {**kw, "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
+
+
+LONG_GENERATE = {"text": "Hi", "stream": True, "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", cmpl(**_long(stream=True, n=2))),
+                                       ("/v1/chat/completions", chat(**_long(stream=True))),
+                                       ("/generate", LONG_GENERATE)])
+def test_stream_disconnect_frees_pages(base_url, default_engine, path, body):
+    with httpx.Client(base_url=base_url, timeout=60) as c:
+        with c.stream("POST", path, json=body) as r:
+            assert r.status_code == 200
+            seen = 0
+            for line in r.iter_lines():
+                seen += line.startswith("data: ")
+                if seen >= 3:
+                    break
+    stats = wait_idle(default_engine)
+    assert stats["running"] == 0 and stats["kv_free_tokens"] + stats["kv_evictable_tokens"] == stats["kv_total_tokens"]
+    assert_no_leak(default_engine)
+
+
+def test_non_stream_disconnect_frees_pages(base_url, default_engine):
+    aborted = default_engine.stats()["aborted"]
+    with httpx.Client(base_url=base_url, timeout=1.0) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            c.post("/v1/completions", json=cmpl(**_long()))
+    t0 = time.time()
+    stats = wait_idle(default_engine)
+    assert time.time() - t0 < 15 and stats["aborted"] > aborted
+    assert_no_leak(default_engine)
+
+
+def test_engine_error_types_map():
+    from engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
+    from serving.errors import to_api_error
+
+    assert to_api_error(InvalidRequestError("x", param="p")).status == 400
+    assert to_api_error(QueueFullError("x")).status == 503
+    assert to_api_error(EngineDeadError("x")).status == 503
