@@ -51,6 +51,8 @@ class GenerateOutput:
     cached_tokens: int
     completion_tokens: int
     logprobs: Optional[List[TokenLogprob]] = None
+    prompt_logprobs: Optional[List[TokenLogprob]] = None
+    """Logprobs of prompt tokens 1..n-1 (sampling_params.prompt_logprobs set), else None."""
 
 
 @dataclass
@@ -67,6 +69,8 @@ class StreamOutput:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    prompt_logprobs: Optional[List[TokenLogprob]] = None
+    """On the first output only, when sampling_params.prompt_logprobs is set."""
 
 
 @dataclass
@@ -77,6 +81,7 @@ class _Accumulator:
     text: List[str] = field(default_factory=list)
     token_ids: List[int] = field(default_factory=list)
     logprobs: List[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: Optional[List[TokenLogprob]] = None
     last: Optional[ReqOutput] = None
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -84,6 +89,8 @@ class _Accumulator:
         self.text.append(out.text_delta)
         self.token_ids += out.new_token_ids
         self.logprobs += out.logprobs
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.last = out
         if out.finish_reason is not None or out.error is not None:
             self.done.set()
@@ -164,7 +171,8 @@ class Engine:
                     logprobs=out.logprobs if params.logprobs else None,
                     finish_reason=None if out.finish_reason is None else out.finish_reason.value,
                     matched_stop=out.matched_stop, prompt_tokens=out.prompt_tokens,
-                    cached_tokens=out.cached_tokens, completion_tokens=out.completion_tokens)
+                    cached_tokens=out.cached_tokens, completion_tokens=out.completion_tokens,
+                    prompt_logprobs=out.prompt_logprobs)
         finally:
             if pending:
                 for r in reqs:
@@ -276,7 +284,8 @@ class Engine:
             rid=last.rid, index=acc.index, text="".join(acc.text), token_ids=acc.token_ids,
             finish_reason=last.finish_reason.value, matched_stop=last.matched_stop,
             prompt_tokens=last.prompt_tokens, cached_tokens=last.cached_tokens,
-            completion_tokens=last.completion_tokens, logprobs=acc.logprobs or None)
+            completion_tokens=last.completion_tokens, logprobs=acc.logprobs or None,
+            prompt_logprobs=acc.prompt_logprobs)
 
     # ---- loop thread ----------------------------------------------------------------------------
     def _call(self, fn: Callable[[], Any]) -> Any:

@@ -45,6 +45,7 @@ class ForwardBatch:
     seq_lens_cpu: List[int]
     extend_prefix_lens_cpu: List[int]
     extend_seq_lens_cpu: List[int]
+    extend_start_loc_cpu: List[int]
     attn_backend: Optional[object] = None
     """kernels.attention.base.AttentionBackend set by the ModelRunner; layers call attn_backend.forward."""
 
@@ -78,4 +79,5 @@ class ForwardBatch:
             req_pool_indices=t(req_pool_indices), seq_lens=t(seq_lens),
             extend_prefix_lens=t(prefix_lens), extend_seq_lens=t(extend_lens), extend_start_loc=t(starts),
             seq_lens_cpu=list(seq_lens), extend_prefix_lens_cpu=list(prefix_lens), extend_seq_lens_cpu=extend_lens,
+            extend_start_loc_cpu=starts,
         )

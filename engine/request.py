@@ -53,6 +53,8 @@ class ReqOutput:
     cached_tokens: int
     completion_tokens: int
     error: Optional[BaseException] = None
+    prompt_logprobs: Optional[List[TokenLogprob]] = None
+    """Set once, on the first output of a request that asked for them."""
 
 
 class Req:
@@ -89,6 +91,9 @@ class Req:
         self.to_abort = False
         # produced but not yet delivered through on_output
         self.pending_logprobs: List[TokenLogprob] = []
+        self.prompt_logprobs: List[TokenLogprob] = []
+        """Logprobs of prompt tokens 1..n-1 (when sampling_params.prompt_logprobs is set)."""
+        self.prompt_logprobs_sent = False
         self.pending_text = ""
         self.num_emitted = 0
 
@@ -99,6 +104,12 @@ class Req:
     @property
     def seq_len(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """True until the logprob of every prompt token after the first has been computed."""
+        return (self.sampling_params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < len(self.origin_input_ids) - 1)
 
     @property
     def finished(self) -> bool:

@@ -37,6 +37,9 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    prompt_logprobs: Optional[int] = None
+    """Also return the logprob of every prompt token after the first, with this many top
+    alternatives (0: the prompt token only). Such a request computes its whole prompt (no prefix reuse)."""
     # Structured output: at most one; the output is constrained to match it (xgrammar).
     json_schema: Optional[str] = None
     """A JSON schema as a JSON string; '{"type": "object"}' for any JSON object."""
@@ -93,6 +96,9 @@ class SamplingParams:
         check(is_int(self.top_logprobs) and 0 <= self.top_logprobs <= _MAX_TOP_LOGPROBS, "top_logprobs",
               f"must be an integer in [0, {_MAX_TOP_LOGPROBS}]")
         check(self.seed is None or is_int(self.seed), "seed", "must be an integer or None")
+        check(self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and
+                                               0 <= self.prompt_logprobs <= _MAX_TOP_LOGPROBS),
+              "prompt_logprobs", f"must be None or an integer in [0, {_MAX_TOP_LOGPROBS}]")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         check(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be token ids >= 0")
         constraints = [c for c in (self.json_schema, self.regex, self.ebnf) if c is not None]

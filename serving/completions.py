@@ -2,7 +2,8 @@
 
 Choice index = prompt index × n + choice index (OpenAI's order). `logprobs=k` returns the legacy
 format (tokens, token_logprobs, top_logprobs with k alternatives, text_offset). `echo` prepends
-the prompt text; the engine computes no prompt logprobs, so echo with logprobs is a 400.
+the prompt text; with `logprobs` it also prepends the prompt tokens' logprobs (the first prompt
+token has none: null), computed by the engine's `prompt_logprobs` (as lm-eval-harness uses them).
 """
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ from serving.streams import GenerationStream, SSEResponse, cancel_on_disconnect,
 router = APIRouter()
 
 
-def legacy_logprobs(st: ServingState, logprobs: List[Any], offset: int) -> CompletionLogprobs:
-    """The legacy completions logprobs of `logprobs` (engine TokenLogprobs), text offsets from `offset`."""
-    out = CompletionLogprobs()
+def legacy_logprobs(st: ServingState, logprobs: List[Any], offset: int,
+                    out: Optional[CompletionLogprobs] = None) -> CompletionLogprobs:
+    """The legacy completions logprobs of `logprobs` (engine TokenLogprobs), text offsets from `offset`,
+    appended to `out` when given."""
+    out = out if out is not None else CompletionLogprobs()
     for lp in logprobs:
         tok = st.token_str(lp.token_id)
         out.tokens.append(tok)
@@ -31,13 +34,18 @@ def legacy_logprobs(st: ServingState, logprobs: List[Any], offset: int) -> Compl
     return out
 
 
+def echo_logprobs(st: ServingState, prompt_ids: List[int], prompt_logprobs: List[Any]) -> CompletionLogprobs:
+    """Legacy logprobs of the echoed prompt: its first token (no logprob), then tokens 1..n-1."""
+    first = st.token_str(prompt_ids[0])
+    out = CompletionLogprobs(tokens=[first], token_logprobs=[None], top_logprobs=[None], text_offset=[0])
+    return legacy_logprobs(st, prompt_logprobs, len(first), out)
+
+
 def _check(body: CompletionRequest) -> None:
     if body.suffix:
         raise APIError(400, "suffix is not supported", "suffix", "unsupported")
     if body.best_of is not None and body.best_of != body.n:
         raise APIError(400, "best_of must equal n (or be null)", "best_of", "unsupported")
-    if body.echo and body.logprobs is not None:
-        raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)", "echo", "unsupported")
 
 
 @router.post("/v1/completions", response_model=CompletionResponse, responses={200: {"content": {
@@ -50,19 +58,23 @@ async def create_completion(body: CompletionRequest, request: Request):
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
     for ids in prompts:
         st.check_context(len(ids), max_tokens, "prompt")
+    echo_lps = body.echo and body.logprobs is not None
     params = st.sampling_params(body, max_tokens, logprobs=body.logprobs is not None,
-                                top_logprobs=body.logprobs or 0)
+                                top_logprobs=body.logprobs or 0, prompt_logprobs=body.logprobs if echo_lps else None)
     rid = new_id("cmpl")
     echo = [st.tokenizer.decode(ids) if body.echo else "" for ids in prompts]
     stream = await GenerationStream.start(st.backend, prompts, params, rid, st.metrics.timer())
     if body.stream:
-        return SSEResponse(sse_events(stream, _events(st, body, rid, stream, echo)))
+        return SSEResponse(sse_events(stream, _events(st, body, rid, stream, echo, prompts)))
     states = await cancel_on_disconnect(request, collect(stream, len(prompts), params.n))
     n = params.n
     choices = []
     for k, s in enumerate(states):
         prefix = echo[k // n]
-        lps = legacy_logprobs(st, s.logprobs, len(prefix)) if body.logprobs is not None else None
+        lps = None
+        if body.logprobs is not None:
+            head = echo_logprobs(st, prompts[k // n], s.prompt_logprobs or []) if echo_lps else None
+            lps = legacy_logprobs(st, s.logprobs, len(prefix), head)
         choices.append(CompletionChoice(index=k, text=prefix + s.full_text, logprobs=lps,
                                         finish_reason=s.finish_reason))
     heads = states[::n]
@@ -72,7 +84,7 @@ async def create_completion(body: CompletionRequest, request: Request):
 
 
 async def _events(st: ServingState, body: CompletionRequest, rid: str, stream: GenerationStream,
-                  echo: List[str]) -> AsyncIterator[str]:
+                  echo: List[str], prompts: List[List[int]]) -> AsyncIterator[str]:
     n = stream.n
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     offsets: Dict[int, int] = {}
@@ -83,13 +95,17 @@ async def _events(st: ServingState, body: CompletionRequest, rid: str, stream: G
         usage.add(i, out)
         k = i * n + out.index
         text = out.text
+        head: Optional[CompletionLogprobs] = None
         if k not in offsets:
             text = echo[i] + text
             offsets[k] = len(echo[i])
+            if body.echo and body.logprobs is not None:
+                head = echo_logprobs(st, prompts[i], out.prompt_logprobs or [])
         lps: Optional[dict] = None
         if body.logprobs is not None:
-            lps = legacy_logprobs(st, out.logprobs or [], offsets[k]).model_dump()
-            offsets[k] += sum(len(t) for t in lps["tokens"])
+            n_head = 0 if head is None else len(head.tokens)
+            lps = legacy_logprobs(st, out.logprobs or [], offsets[k], head).model_dump()
+            offsets[k] += sum(len(t) for t in lps["tokens"][n_head:])
         if not text and lps is None and out.finish_reason is None:
             continue
         choice = {"index": k, "text": text, "logprobs": lps, "finish_reason": out.finish_reason}

@@ -75,7 +75,7 @@ class ServingState:
 
     @staticmethod
     def sampling_params(body: Any, max_tokens: int, *, logprobs: bool = False, top_logprobs: int = 0,
-                        json_schema: Optional[str] = None) -> SamplingParams:
+                        json_schema: Optional[str] = None, prompt_logprobs: Optional[int] = None) -> SamplingParams:
         """SamplingParams from an OpenAI body (plus SGLang extras); out-of-range values → 400."""
         values = dict(
             max_new_tokens=max_tokens,
@@ -86,7 +86,7 @@ class ServingState:
             stop=body.stop, stop_token_ids=body.stop_token_ids, seed=body.seed, n=body.n,
             ignore_eos=body.ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs,
             skip_special_tokens=body.skip_special_tokens, json_schema=json_schema, regex=body.regex,
-            ebnf=body.ebnf)
+            ebnf=body.ebnf, prompt_logprobs=prompt_logprobs)
         try:
             return SamplingParams.from_any(values)
         except InvalidRequestError as exc:

@@ -114,6 +114,7 @@ class ChoiceState:
     text: List[str] = field(default_factory=list)
     token_ids: List[int] = field(default_factory=list)
     logprobs: List[Any] = field(default_factory=list)
+    prompt_logprobs: Optional[List[Any]] = None
     finish_reason: Optional[str] = None
     matched_stop: Any = None
     prompt_tokens: int = 0
@@ -124,6 +125,8 @@ class ChoiceState:
         self.text.append(out.text)
         self.token_ids += out.new_token_ids
         self.logprobs += out.logprobs or []
+        if getattr(out, "prompt_logprobs", None) is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.finish_reason = out.finish_reason
         self.matched_stop = out.matched_stop
         self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens

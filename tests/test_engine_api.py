@@ -184,3 +184,27 @@ def test_randomized_abort_retract_finish_mix_leaks_nothing():
             asyncio.run(asyncio.sleep(0.05))
         assert_no_leak(engine)
         assert engine.generate("Still alive?", dict(max_new_tokens=3)).completion_tokens >= 1
+
+
+def test_prompt_logprobs_match_a_full_forward(default_engine):
+    """Prompt logprobs (chunked or not, cached prefix or not) equal log_softmax of one full forward."""
+    import torch
+    from model_harness import GreedyHarness
+
+    ids = default_engine.tokenizer.encode(PROMPT + " and a cat named Tom.")
+    default_engine.generate(ids, dict(max_new_tokens=1))  # the prompt is now cached: it must not be reused
+    out = default_engine.generate(ids, dict(max_new_tokens=2, prompt_logprobs=2, temperature=0))
+    assert len(out.prompt_logprobs) == len(ids) - 1
+    harness = GreedyHarness(default_engine.runner.model, max_len=64)
+    logits = harness.generate([ids], max_new_tokens=1).prefill_logits[0]
+    ref = torch.log_softmax(logits.float(), dim=-1)
+    for pos, lp in enumerate(out.prompt_logprobs):
+        assert lp.token_id == ids[pos + 1]
+        assert abs(lp.logprob - float(ref[pos, ids[pos + 1]])) < 1e-4
+        assert [t for t, _ in lp.top_logprobs] == ref[pos].topk(2).indices.tolist()
+    with make_engine(chunked_prefill_size=5) as chunked:
+        again = chunked.generate(ids, dict(max_new_tokens=2, prompt_logprobs=2, temperature=0))
+        assert [lp.token_id for lp in again.prompt_logprobs] == [lp.token_id for lp in out.prompt_logprobs]
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(again.prompt_logprobs, out.prompt_logprobs)) < 1e-4
+        assert again.token_ids == out.token_ids
+    assert_no_leak(default_engine)

@@ -70,7 +70,6 @@ def chat(**kw):
     (cmpl(prompt=[10**9]), "prompt"),
     (cmpl(prompt=[-1]), "prompt"),
     (cmpl(stop=[""]), "stop"),
-    (cmpl(echo=True, logprobs=1), "echo"),
     (cmpl(max_tokens=100000), "max_tokens"),
     (cmpl(prompt=None), "prompt"),
     (cmpl(regex="a", ebnf='root ::= "a"'), "json_schema"),

@@ -14,10 +14,6 @@ from serving_harness import MODEL, serve, wait_idle
 
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
-# Structured output (json_schema / regex / ebnf) constrains outputs once the engine's grammar lands.
-GRAMMAR = pytest.mark.xfail(not hasattr(__import__("engine.runner", fromlist=["x"]), "grammar") and
-                            not __import__("importlib.util").util.find_spec("engine.runner.grammar"),
-                            reason="engine grammar backend not landed yet", strict=False)
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"},
@@ -122,6 +118,23 @@ def test_completion_logprobs_and_echo(client):
     assert "".join(c.choices[0].text for c in streamed) == PROMPT + r.choices[0].text
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, default_engine):
+    """echo + logprobs (what lm-eval-harness sends for log-likelihoods): the prompt tokens' logprobs,
+    null for the first, then the completion's, streamed or not."""
+    ids = default_engine.tokenizer.encode(PROMPT)
+    ref = default_engine.generate(ids, dict(max_new_tokens=1, prompt_logprobs=2, temperature=0))
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, echo=True, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 2 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:len(ids)] == pytest.approx([x.logprob for x in ref.prompt_logprobs], abs=1e-5)
+    assert all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert lp.text_offset[:len(ids)] == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
+    streamed = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, echo=True,
+                                              logprobs=2, stream=True))
+    tokens = sum((c.choices[0].logprobs.tokens for c in streamed if c.choices and c.choices[0].logprobs), [])
+    assert tokens == lp.tokens
+
+
 def test_chat_basic_and_stream(client):
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0)
     msg = r.choices[0].message
@@ -224,7 +237,6 @@ def test_tool_choice_auto_and_none(client):
     assert none.choices[0].message.tool_calls is None
 
 
-@GRAMMAR
 def test_response_format(client):
     schema = {"type": "object", "properties": {"capital": {"type": "string"}}, "required": ["capital"],
               "additionalProperties": False}
@@ -242,7 +254,24 @@ def test_response_format(client):
     assert r.choices[0].message.content
 
 
-@GRAMMAR
+def test_response_format_50_sampled_generations_validate(client):
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "population", "sights"],
+              "properties": {"city": {"type": "string", "maxLength": 20}, "population": {"type": "integer"},
+                             "sights": {"type": "array", "items": {"type": "string", "maxLength": 16},
+                                        "maxItems": 2}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}}
+    ask = [{"role": "user", "content": "Describe a city you like as JSON."}]
+    contents = []
+    for seed in range(5):
+        r = client.chat.completions.create(model=MODEL, messages=ask, n=10, seed=seed, temperature=1.0,
+                                           max_tokens=120, response_format=fmt)
+        assert all(c.finish_reason == "stop" for c in r.choices), [c.message.content for c in r.choices]
+        contents += [c.message.content for c in r.choices]
+    assert len(contents) == 50
+    for text in contents:
+        jsonschema_rs.validate(schema, json.loads(text))
+
+
 def test_regex_and_ebnf_extras(client):
     r = client.completions.create(model=MODEL, prompt="The year is", max_tokens=8, temperature=0,
                                   extra_body={"regex": "[0-9]{4}"})

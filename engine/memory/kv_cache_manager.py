@@ -50,19 +50,24 @@ class KVCacheManager:
         return self.allocator.available_size() >= num_tokens
 
     # ---- admission -------------------------------------------------------------
+    @staticmethod
+    def _match_key(req: Req) -> List[int]:
+        """The tokens whose cached KV `req` may reuse: all but the last (which must be computed for its
+        logits), or none while prompt logprobs are owed (they need the logits of every prompt position)."""
+        ids = req.fill_ids
+        return [] if req.needs_prompt_logprobs else ids[:len(ids) - 1]
+
     def match(self, req: Req) -> int:
-        """Longest cached prefix of the request's fill_ids (always leaving one token to compute)."""
+        """Longest cached prefix of the request's fill_ids that it may reuse."""
         if not self.use_tree:
             return 0
-        ids = req.fill_ids
-        return self.tree.match_prefix(ids[:len(ids) - 1], record_stats=False).prefix_len
+        return self.tree.match_prefix(self._match_key(req), record_stats=False).prefix_len
 
     def admit(self, req: Req) -> None:
         """Give `req` a ReqToTokenPool row and its cached prefix, locked. kv_len = prefix_len."""
         req.req_pool_idx = self.req_to_token_pool.alloc()
         if self.use_tree:
-            ids = req.fill_ids
-            m = self.tree.match_prefix(ids[:len(ids) - 1])
+            m = self.tree.match_prefix(self._match_key(req))
             self.tree.inc_lock_ref(m.last_node)
             req.last_node, req.prefix_indices, req.prefix_len = m.last_node, m.device_indices, m.prefix_len
             self.req_to_token_pool.write(req.req_pool_idx, 0, m.device_indices)

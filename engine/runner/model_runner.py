@@ -11,8 +11,8 @@ page allocator.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import List, Optional
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
 
 import torch
 
@@ -20,9 +20,11 @@ from engine.config import EngineConfig
 from engine.errors import OutOfMemoryError
 from engine.memory.allocator import TokenToKVPoolAllocator
 from engine.memory.kv_pool import KVPool
+from engine.forward_batch import ForwardMode
 from engine.memory.req_to_token import ReqToTokenPool
 from engine.models.loader import load_config, load_model
 from engine.models.source import ModelSource
+from engine.request import TokenLogprob
 from engine.runner.sampler import Sampler, SamplingBatchInfo
 from kernels.attention.base import get_backend_class
 
@@ -41,6 +43,8 @@ class BatchResult:
     next_token_ids: List[int]
     logprobs: Optional[List[float]] = None
     top_logprobs: Optional[List[List[tuple]]] = None
+    prompt_logprobs: Dict[int, List[TokenLogprob]] = field(default_factory=dict)
+    """Batch index → logprobs of the prompt tokens this step scored (requests owing prompt logprobs)."""
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -121,9 +125,10 @@ class ModelRunner:
         fb.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(fb)
         hidden = self.model(fb)
+        prompt_logprobs = self._prompt_logprobs(batch, hidden) if fb.forward_mode is ForwardMode.EXTEND else {}
         reqs = batch.sampled_reqs
         if not reqs:
-            return BatchResult(next_token_ids=[])
+            return BatchResult(next_token_ids=[], prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[fb.last_token_rows[:len(reqs)]])
         info = SamplingBatchInfo.build(
             [r.sampling_params for r in reqs], seeds=[r.seed for r in reqs], steps=[len(r.output_ids) for r in reqs],
@@ -133,7 +138,33 @@ class ModelRunner:
         return BatchResult(
             next_token_ids=out.next_token_ids.tolist(),
             logprobs=None if out.logprobs is None else out.logprobs.tolist(),
-            top_logprobs=self._top_logprob_lists(reqs, out))
+            top_logprobs=self._top_logprob_lists(reqs, out), prompt_logprobs=prompt_logprobs)
+
+    def _prompt_logprobs(self, batch, hidden: torch.Tensor) -> Dict[int, List[TokenLogprob]]:
+        """For requests owing prompt logprobs: the logprob of each prompt token whose predecessor's
+        position this step computed. Row j of request i holds position kv_len + j; it scores
+        prompt token kv_len + j + 1 (the last prompt position predicts an output token instead)."""
+        result: Dict[int, List[TokenLogprob]] = {}
+        for i, req in enumerate(batch.reqs):
+            if not req.needs_prompt_logprobs:
+                continue
+            start = batch.forward_batch.extend_start_loc_cpu[i]
+            first = req.kv_len
+            if first != len(req.prompt_logprobs):  # prompt logprobs forbid prefix reuse, so these agree
+                raise RuntimeError(f"{req}: prompt logprobs out of step ({len(req.prompt_logprobs)} != {first})")
+            n = min(req.extend_len, len(req.origin_input_ids) - 1 - first)
+            if n <= 0:
+                continue
+            logp = torch.log_softmax(self.model.compute_logits(hidden[start:start + n]), dim=-1)
+            targets = torch.tensor(req.origin_input_ids[first + 1:first + 1 + n], device=logp.device)
+            chosen = logp.gather(1, targets[:, None])[:, 0].tolist()
+            k = req.sampling_params.prompt_logprobs
+            top = logp.topk(k, dim=-1) if k else None
+            top_ids = top.indices.tolist() if top is not None else [[] for _ in range(n)]
+            top_vals = top.values.tolist() if top is not None else [[] for _ in range(n)]
+            result[i] = [TokenLogprob(int(t), lp, list(zip(ti, tv)))
+                         for t, lp, ti, tv in zip(targets.tolist(), chosen, top_ids, top_vals)]
+        return result
 
     @staticmethod
     def _top_logprob_lists(reqs, out) -> Optional[List[List[tuple]]]:

@@ -76,6 +76,8 @@ class OutputProcessor:
                 finish_reason=req.finish_reason, matched_stop=req.matched_stop,
                 prompt_tokens=len(req.origin_input_ids), cached_tokens=req.cached_tokens,
                 completion_tokens=len(req.output_ids))
+            if req.sampling_params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+                out.prompt_logprobs, req.prompt_logprobs_sent = list(req.prompt_logprobs), True
             req.num_emitted = len(req.output_ids)
             req.pending_text, req.pending_logprobs = "", []
             req.on_output(out)

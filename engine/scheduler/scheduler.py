@@ -137,6 +137,8 @@ class Scheduler:
 
     def _process_batch_result(self, batch: ScheduleBatch, result) -> None:
         self.counters["prefill_steps" if batch.mode is ForwardMode.EXTEND else "decode_steps"] += 1
+        for i, lps in result.prompt_logprobs.items():
+            batch.reqs[i].prompt_logprobs += lps
         for req in batch.reqs:
             req.kv_len += req.extend_len
             req.extend_len = 0

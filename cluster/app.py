@@ -1,0 +1,67 @@
+"""`cluster.app:deployment`: the Ray Serve application builder.
+
+    serve run cluster.app:deployment                                  # 1 worker, default model
+    serve run cluster.app:deployment workers=2 policy=round_robin model=/models/x.gguf
+    serve deploy deploy/serve_config.yaml                             # same args under `args:`
+
+Deployments (one application):
+
+    Ingress  (ingress_replicas)  HTTP, FastAPI routes of serving/, tokenizes once
+      ├─▶ Router (1 replica)      ClusterState + policy; polls workers; /router/stats
+      └─▶ Worker (workers)        one engine.Engine each; calls pinned by PinnedRequestRouter
+    Router ─▶ Worker (reports, membership)
+
+No `from __future__ import annotations` in this module: Serve validates the builder's argument
+with the annotated pydantic model only when the annotation is a real class (RAY_SERVE_NOTES §6).
+"""
+import logging
+
+import ray
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+
+from cluster.config import ClusterArgs
+from cluster.ingress import Ingress
+from cluster.router.router import RouterDeployment
+from cluster.worker import Worker
+
+logger = logging.getLogger("ray.serve")
+
+PINNED_ROUTER = "cluster.pinning:PinnedRequestRouter"
+
+
+def _gpus_per_worker(args) -> float:
+    if args.num_gpus is not None:
+        return args.num_gpus
+    if not ray.is_initialized():
+        return 0.0
+    return 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+
+
+def deployment(args: ClusterArgs) -> Application:
+    """Build the unified-pool application from validated ClusterArgs."""
+    if isinstance(args, dict):  # Python callers may pass a plain dict
+        args = ClusterArgs.model_validate(args)
+    num_gpus = _gpus_per_worker(args)
+    worker = serve.deployment(Worker).options(
+        name="Worker", num_replicas=args.workers, max_ongoing_requests=args.max_ongoing_requests,
+        ray_actor_options={"num_cpus": args.num_cpus, "num_gpus": num_gpus},
+        request_router_config=RequestRouterConfig(request_router_class=PINNED_ROUTER),
+        health_check_period_s=args.health_check_period_s, health_check_timeout_s=60,
+        graceful_shutdown_timeout_s=5,
+    ).bind(args.model, args.engine_options())
+    router_config = dict(cache_threshold=args.cache_threshold, balance_abs_threshold=args.balance_abs_threshold,
+                         balance_rel_threshold=args.balance_rel_threshold, max_tree_tokens=args.max_tree_tokens,
+                         page_size=args.page_size, prefix_hash_tokens=args.prefix_hash_tokens)
+    router = serve.deployment(RouterDeployment).options(
+        name="Router", num_replicas=1, max_ongoing_requests=4096,
+        ray_actor_options={"num_cpus": args.router_num_cpus},
+    ).bind(worker, args.policy, router_config, args.report_interval_s)
+    ingress = serve.deployment(Ingress).options(
+        name="Ingress", num_replicas=args.ingress_replicas, max_ongoing_requests=args.ingress_max_ongoing_requests,
+        ray_actor_options={"num_cpus": args.ingress_num_cpus},
+    ).bind(router, worker, args.model, args.model_name(), args.api_key, args.max_body_bytes)
+    logger.info("radixserve: %d worker(s) of %s, policy %s, %.2g GPU(s) per worker",
+                args.workers, args.model_name(), args.policy, num_gpus)
+    return ingress

@@ -1,0 +1,180 @@
+"""Ingress: the HTTP front of the cluster — serving's OpenAI app over a ClusterBackend.
+
+    HTTP ─▶ serving.build_app routes (validate, chat template, tokenize ONCE)
+         ─▶ ClusterBackend.generate_stream(input_ids, params, rid)
+              1. Router.route(input_ids, rid) ─▶ RoutingDecision (one small RPC)
+              2. Worker.generate, pinned to decision.worker_id (session_id + PinnedRequestRouter),
+                 streamed: one Ray message per engine step, unpacked into StreamOutputs
+              3. Router.finish(worker_id) when the stream ends, fails or is cancelled
+    GET /router/stats ─▶ Router.stats() (+ this replica's route-RPC latency)
+    GET /metrics      ─▶ serving metrics of this replica + per-worker gauges labelled by replica
+
+Aborts: serving closes the backend stream on client disconnect; closing it cancels the Ray
+generator, Serve cancels the worker's generator, and the engine aborts the request. Ingress
+replicas hold no routing state (it lives in the router deployment), so they scale freely.
+"""
+import asyncio
+import collections
+import time
+from typing import Any, AsyncIterator, Dict, List, Optional
+
+from fastapi import FastAPI
+from prometheus_client.core import GaugeMetricFamily
+from ray import serve
+from ray.exceptions import RayTaskError
+
+from cluster.router.policies import NoWorkersError
+from serving.backend import ServingBackend
+from serving.errors import APIError
+
+_RPC_TIMEOUT_S = 120.0
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """The exception raised inside a replica (engine errors keep their type and message)."""
+    cause = getattr(exc, "cause", None) if isinstance(exc, RayTaskError) else None
+    return cause if isinstance(cause, BaseException) else exc
+
+
+class ClusterBackend(ServingBackend):
+    """A ServingBackend whose requests run on the worker the router chose."""
+
+    def __init__(self, router, workers, tokenizer: Any, context_len: int, vocab_size: int):
+        self.router, self.workers = router, workers
+        self.tokenizer, self.context_len, self._vocab_size = tokenizer, context_len, vocab_size
+        self._active: Dict[str, Any] = {}
+        self._finishing: set = set()
+        self.route_rpc_ms: collections.deque = collections.deque(maxlen=4096)
+        self.last_stats: Optional[Any] = None
+        """The last ClusterStats fetched (for the per-worker metrics collector)."""
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    async def generate_stream(self, input_ids: List[int], params: Any, rid: str) -> AsyncIterator[Any]:
+        start = time.perf_counter()
+        try:
+            decision = await asyncio.wait_for(self.router.route.remote(input_ids, rid), _RPC_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001
+            exc = _unwrap(exc)
+            if isinstance(exc, NoWorkersError):
+                raise APIError(503, "no worker replica is available", None, "no_workers") from None
+            raise exc
+        self.route_rpc_ms.append((time.perf_counter() - start) * 1e3)
+        gen = self.workers.options(stream=True, session_id=decision.worker_id).generate.remote(
+            input_ids, params, rid)
+        self._active[rid] = gen
+        try:
+            async for chunk in gen:
+                for out in chunk:
+                    yield out
+        except RayTaskError as exc:
+            raise _unwrap(exc) from None
+        finally:
+            if self._active.pop(rid, None) is not None:
+                gen.cancel()
+            self._finish(decision.worker_id)
+
+    def _finish(self, worker_id: str) -> None:
+        task = asyncio.ensure_future(self.router.finish.remote(worker_id))
+        self._finishing.add(task)
+        task.add_done_callback(self._finishing.discard)
+
+    def abort(self, rid: str) -> None:
+        gen = self._active.pop(rid, None)
+        if gen is not None:
+            gen.cancel()
+
+    async def cluster_stats(self) -> Any:
+        self.last_stats = await asyncio.wait_for(self.router.stats.remote(), 30)
+        return self.last_stats
+
+    async def stats(self) -> Dict[str, float]:
+        s = await self.cluster_stats()
+        engines = [w.engine for w in s.workers.values()]
+        kv = [e.get("kv_usage", 0.0) for e in engines]
+        return dict(running=sum(e.get("running", 0) for e in engines),
+                    waiting=sum(e.get("waiting", 0) for e in engines),
+                    kv_usage=sum(kv) / len(kv) if kv else 0.0, cache_hit_rate=s.cache_hit_rate)
+
+    async def health(self) -> bool:
+        try:
+            return bool((await self.cluster_stats()).workers)
+        except Exception:  # noqa: BLE001 - any failure means unhealthy
+            return False
+
+
+class WorkerGauges:
+    """Prometheus collector: per-worker gauges from the backend's last ClusterStats (refreshed at
+    each /metrics scrape before rendering), labelled by pool and replica."""
+
+    _GAUGES = (("running", "radixserve_worker_num_requests_running", "Requests in the worker's running batch."),
+               ("waiting", "radixserve_worker_num_requests_waiting", "Requests in the worker's waiting queue."),
+               ("kv_usage", "radixserve_worker_kv_cache_usage_ratio", "Worker KV pool share held by requests."),
+               ("cache_hit_rate", "radixserve_worker_prefix_cache_hit_rate", "Worker cached / prompt tokens."),
+               ("prompt_tokens", "radixserve_worker_prompt_tokens", "Prompt tokens the worker processed."),
+               ("cached_tokens", "radixserve_worker_cached_prompt_tokens", "Prompt tokens served from its cache."),
+               ("generated_tokens", "radixserve_worker_generation_tokens", "Tokens the worker generated."))
+    _ROUTER = (("routed_requests", "radixserve_router_routed_requests", "Requests the router sent to the worker."),
+               ("matched_tokens", "radixserve_router_matched_tokens", "Prompt tokens the router's tree held."),
+               ("tree_tokens", "radixserve_router_tree_tokens", "Tokens in the router's tree of the worker."),
+               ("in_flight", "radixserve_router_in_flight_requests", "Requests routed and not finished."))
+
+    def __init__(self, backend: ClusterBackend, model_name: str):
+        self.backend, self.model_name = backend, model_name
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        s = self.backend.last_stats
+        labels = ["model_name", "pool", "replica"]
+        families = []
+        for key, name, doc in self._GAUGES + self._ROUTER:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            for wid, w in (s.workers.items() if s is not None else ()):
+                value = w.engine.get(key, 0.0) if (key, name, doc) in self._GAUGES else getattr(w, key)
+                g.add_metric([self.model_name, "unified", wid], float(value))
+            families.append(g)
+        lat = GaugeMetricFamily("radixserve_router_decision_latency_ms", "Routing decision time in the router.",
+                                labels=["quantile"])
+        for q in ("p50", "p99"):
+            lat.add_metric([q], float(s.route_latency_ms.get(q, 0.0)) if s is not None else 0.0)
+        families.append(lat)
+        return families
+
+
+@serve.ingress()
+class Ingress:
+    """The HTTP entry point; routes come from serving.build_app (no protocol code here)."""
+
+    async def __init__(self, router, workers, model: Optional[str], model_name: str,
+                   api_key: Optional[str], max_body_bytes: int):
+        from engine.models.source import resolve_model
+        from engine.tokenizer import load_tokenizer
+
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.model_name, self.api_key, self.max_body_bytes = model_name, api_key, max_body_bytes
+        tokenizer = await asyncio.to_thread(load_tokenizer, resolve_model(model))
+        info = await asyncio.wait_for(workers.info.remote(), 600)  # waits for a first worker to be up
+        self.backend = ClusterBackend(router, workers, tokenizer, info.context_len, info.vocab_size)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        from serving.app import build_app
+
+        app = build_app(self.backend, api_key=self.api_key, model_name=self.model_name,
+                        max_body_bytes=self.max_body_bytes, title="radixserve cluster")
+        app.state.serving.metrics.registry.register(WorkerGauges(self.backend, self.model_name))
+        backend, replica_id = self.backend, self.replica_id
+
+        @app.get("/router/stats")
+        async def router_stats() -> Dict[str, Any]:
+            from cluster.router.router import percentiles
+
+            s = await backend.cluster_stats()
+            out = s.model_dump()
+            out["ingress"] = {"replica": replica_id, "route_rpc_ms": percentiles(backend.route_rpc_ms)}
+            return out
+
+        return app
