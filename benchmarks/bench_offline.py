@@ -11,6 +11,8 @@ benchmarks/results/ naming the hardware.
 
   python benchmarks/bench_offline.py --workload shared-prefix --num-groups 8 --prompts-per-group 8 \
       --prefix-len 512 --suffix-len 32 --output-len 32
+  python benchmarks/bench_offline.py --config benchmarks/configs/llama-3.1-8b.json --workload random \
+      --num-prompts 1000 --input-len 1024 --output-len 256          # dummy weights, no tokenizer (GPU)
 """
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ import json
 import os
 import platform
 import random
+import shutil
 import sys
+import tempfile
 import time
 from typing import Dict, List
 
@@ -83,6 +87,8 @@ def run_once(engine_kwargs: Dict, prompts: List[List[int]], output_len: int, war
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model path (default: the default model)")
+    p.add_argument("--config", default=None,
+                   help="a config.json of a real architecture: dummy weights, no tokenizer (overrides --model)")
     p.add_argument("--workload", choices=["random", "shared-prefix"], default="shared-prefix")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=256)
@@ -101,10 +107,15 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/offline_<...>.json)")
     args = p.parse_args()
+    extra = {}
+    if args.config:
+        folder = tempfile.mkdtemp(prefix="bench-model-")
+        shutil.copy(args.config, os.path.join(folder, "config.json"))
+        args.model, args.load_format, extra = folder, "dummy", dict(skip_tokenizer_init=True)
 
     engine_kwargs = dict(model=args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
                          max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running_requests,
-                         chunked_prefill_size=args.chunked_prefill_size, page_size=args.page_size)
+                         chunked_prefill_size=args.chunked_prefill_size, page_size=args.page_size, **extra)
     from engine.models.loader import load_config
     from engine.models.source import resolve_model
 

@@ -49,7 +49,7 @@ def deployment(args: ClusterArgs) -> Application:
         ray_actor_options={"num_cpus": args.num_cpus, "num_gpus": num_gpus},
         request_router_config=RequestRouterConfig(request_router_class=PINNED_ROUTER),
         health_check_period_s=args.health_check_period_s, health_check_timeout_s=60,
-        graceful_shutdown_timeout_s=5,
+        graceful_shutdown_timeout_s=5, logging_config={"enable_access_log": args.worker_access_log},
     ).bind(args.model, args.engine_options())
     router_config = dict(cache_threshold=args.cache_threshold, balance_abs_threshold=args.balance_abs_threshold,
                          balance_rel_threshold=args.balance_rel_threshold, max_tree_tokens=args.max_tree_tokens,

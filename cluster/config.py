@@ -62,6 +62,8 @@ class _ClusterFields(BaseModel):
     api_key: Optional[str] = Field(None, description="When set, /v1/* and /generate need 'Authorization: Bearer "
                                    "<api_key>'.")
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Request bodies larger than this get a 413.")
+    worker_access_log: bool = Field(False, description="Log every call to a worker replica (generate, and the "
+                                    "router's report polls several times a second).")
     health_check_period_s: float = Field(2.0, gt=0.0, description="How often Serve checks each worker's health "
                                          "(a dead worker is replaced after a failed check).")
 

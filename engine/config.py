@@ -38,6 +38,7 @@ class EngineConfig:
     disable_radix_cache: bool = field(default=False, metadata={"help": "Turn prefix caching off."})
     context_length: Optional[int] = field(default=None, metadata={"help": "Override the model's context length."})
     attention_backend: str = field(default="auto", metadata={"help": "torch_native | auto."})
+    skip_tokenizer_init: bool = field(default=False, metadata={"help": "No tokenizer: prompts must be token ids and outputs carry no text (benchmarks on dummy weights)."})
     enable_cache_events: bool = field(default=False, metadata={"help": "Record radix-cache insert/evict events for a router (drain them with Engine.drain_cache_events)."})
     random_seed: int = field(default=0, metadata={"help": "Seed for dummy weights and unseeded sampling."})
     new_token_ratio: float = field(default=0.4, metadata={"help": "Share of max_new_tokens reserved when admitting a request."})

@@ -100,11 +100,21 @@ class Engine:
     def __init__(self, model: Optional[str] = None, **config: Any):
         self.config = EngineConfig.from_kwargs(model=model, **config)
         self.source = resolve_model(model)
-        self.tokenizer = load_tokenizer(self.source)
+        self.tokenizer = None if self.config.skip_tokenizer_init else load_tokenizer(self.source)
         self.runner = ModelRunner(self.config, self.source)
-        self.grammar = GrammarCompiler(self.tokenizer.hf, self.runner.vocab_size, self.tokenizer.eos_token_ids)
+        self._init_tokens()
         self._init_scheduler()
         self._init_loop()
+
+    def _init_tokens(self) -> None:
+        """EOS ids and the grammar compiler; without a tokenizer, EOS comes from the model config."""
+        if self.tokenizer is not None:
+            self.eos_token_ids = self.tokenizer.eos_token_ids
+            self.grammar = GrammarCompiler(self.tokenizer.hf, self.runner.vocab_size, self.eos_token_ids)
+            return
+        eos = getattr(self.runner.model_config, "eos_token_id", None)
+        self.eos_token_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+        self.grammar = None
 
     def _init_scheduler(self) -> None:
         r = self.runner
@@ -229,6 +239,9 @@ class Engine:
 
     def _tokenize(self, prompt: Prompt) -> List[int]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this engine has no tokenizer (skip_tokenizer_init): give token ids",
+                                          param="prompt")
             ids = self.tokenizer.encode(prompt)
         else:
             ids = list(prompt)
@@ -253,16 +266,20 @@ class Engine:
         gets its own GrammarState."""
         params = SamplingParams.from_any(params)
         ids = self._tokenize(prompt)
-        compiled = self.grammar.compile(params)
+        if self.tokenizer is None and (params.stop or params.json_schema or params.regex or params.ebnf):
+            raise InvalidRequestError("stop strings and structured output need a tokenizer (skip_tokenizer_init)",
+                                      param="stop" if params.stop else "json_schema")
+        compiled = self.grammar.compile(params) if self.grammar is not None else None
         rid = rid or uuid.uuid4().hex
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
         reqs: List[Req] = []
         for i in range(params.n):
             reqs.append(Req(
                 rid=rid if params.n == 1 else f"{rid}#{i}", input_ids=ids, params=params, seed=base_seed + i,
-                eos_token_ids=self.tokenizer.eos_token_ids,
+                eos_token_ids=self.eos_token_ids,
                 on_output=on_output if on_output is not None else _Accumulator(i),
-                detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
+                detokenizer=None if self.tokenizer is None else
+                IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
                 stop_matcher=StopStringMatcher(params.stop) if params.stop else None,
                 wait_for=reqs[0] if i and not self.config.disable_radix_cache else None,
                 grammar=GrammarState(compiled) if compiled is not None else None))

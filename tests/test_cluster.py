@@ -1,0 +1,200 @@
+"""The unified cluster on a real local Ray cluster (CPU): Ingress + Router + 2 Workers.
+
+One application for the whole module (starting it costs ~1 min on 2 cores); the membership test
+kills a worker, so it runs last. Nothing here asserts on timings.
+"""
+import asyncio
+import socket
+import time
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray import serve  # noqa: E402
+
+from cluster.app import deployment  # noqa: E402
+from cluster.config import ClusterArgs  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+APP = "radixserve-test"
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+                                       "TRANSFORMERS_OFFLINE": "1"}})
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    args = ClusterArgs(workers=2, policy="round_robin", num_cpus=0.5, max_total_tokens=4096,
+                       report_interval_s=0.25)
+    serve.run(deployment(args), name=APP, route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def http(cluster):
+    with httpx.Client(base_url=cluster, timeout=120) as client:
+        yield client
+
+
+def _stats(http) -> dict:
+    r = http.get("/router/stats")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _wait(predicate, timeout: float, what: str, interval: float = 0.25):
+    deadline = time.time() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(interval)
+
+
+def _served(rids_by_worker_calls) -> dict:
+    out = {}
+    for d in rids_by_worker_calls:
+        for wid, rids in d.items():
+            for rid in rids:
+                out[rid] = wid
+    return out
+
+
+def _worker_logs() -> dict:
+    handle = serve.get_deployment_handle("Worker", APP)
+    return _served(handle.broadcast("served").results(timeout_s=30))
+
+
+def _decisions() -> dict:
+    return serve.get_deployment_handle("Router", APP).decisions.remote().result(timeout_s=30)
+
+
+def test_openai_completion_chat_and_stream(cluster):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{cluster}/v1", api_key="unused", max_retries=0, timeout=120)
+    comp = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert comp.choices[0].text and comp.usage.completion_tokens == 8
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hello."}],
+                                          max_tokens=12, temperature=0)
+    assert chat.choices[0].message.content and chat.choices[0].finish_reason in ("stop", "length")
+    pieces = []
+    for chunk in client.chat.completions.create(model=MODEL, stream=True, max_tokens=16, temperature=0,
+                                                messages=[{"role": "user", "content": "Say hello."}]):
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+    assert "".join(pieces).startswith(chat.choices[0].message.content)
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_greedy_output_equals_engine(http, default_engine):
+    prompts = ["The capital of France is", "def fibonacci(n):\n", "Q: What is 12 times 7?\nA:"]
+    for prompt in prompts:
+        ids = default_engine.tokenizer.encode(prompt)
+        want = default_engine.generate(ids, {"temperature": 0, "max_new_tokens": 16})
+        r = http.post("/generate", json={"input_ids": ids, "sampling_params": {"temperature": 0,
+                                                                               "max_new_tokens": 16}})
+        assert r.status_code == 200, r.text
+        assert r.json()["output_ids"] == want.token_ids
+        assert r.json()["text"] == want.text
+
+
+def test_every_request_runs_on_the_routed_worker(cluster):
+    """Pinning proof: for many concurrent requests (and one batched request, whose prompts are
+    routed concurrently from one HTTP request), the worker that served each rid is the one the
+    router chose for it."""
+    async def run() -> list:
+        async with httpx.AsyncClient(base_url=cluster, timeout=120) as client:
+            single = [client.post("/generate", json={
+                "rid": f"pin-{i}", "text": f"Request number {i} says", "sampling_params": {
+                    "temperature": 0, "max_new_tokens": 4}}) for i in range(24)]
+            batch = client.post("/generate", json={
+                "rid": "pinbatch", "text": [f"Batch prompt {i}:" for i in range(6)],
+                "sampling_params": {"temperature": 0, "max_new_tokens": 4}})
+            return await asyncio.gather(*single, batch)
+
+    responses = asyncio.run(run())
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
+    rids = [f"pin-{i}" for i in range(24)] + [f"pinbatch-{i}" for i in range(6)]
+    decided, served = _decisions(), _worker_logs()
+    assert {rid: served.get(rid) for rid in rids} == {rid: decided.get(rid) for rid in rids}
+    assert len({decided[rid] for rid in rids}) == 2  # round_robin used both workers
+
+
+def test_router_stats_and_cluster_metrics(http):
+    s = _stats(http)
+    assert s["policy"] == "round_robin" and len(s["workers"]) == 2
+    assert s["routed_requests"] > 0 and s["route_latency_ms"]["count"] > 0
+    for wid, w in s["workers"].items():
+        assert w["routed_requests"] > 0 and w["tree_tokens"] > 0
+        assert w["engine"]["prompt_tokens"] > 0  # reports arrive
+    _wait(lambda: all(w["events_applied"] > 0 for w in _stats(http)["workers"].values()), 10, "cache events")
+    text = http.get("/metrics").text
+    for wid in s["workers"]:
+        assert f'radixserve_worker_kv_cache_usage_ratio{{model_name="{MODEL}",pool="unified",replica="{wid}"}}' \
+            in text
+        assert f'radixserve_worker_prefix_cache_hit_rate{{model_name="{MODEL}",pool="unified",replica="{wid}"}}' \
+            in text
+    assert "radixserve_time_to_first_token_seconds_bucket" in text
+    assert "radixserve_router_decision_latency_ms" in text
+
+
+def test_client_disconnect_aborts_on_the_worker(cluster, http):
+    body = {"model": MODEL, "prompt": "Count forever:", "max_tokens": 2000, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    with httpx.Client(base_url=cluster, timeout=120) as client:
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            for i, _ in enumerate(r.iter_lines()):
+                if i >= 6:
+                    break
+
+    def idle():
+        ws = _stats(http)["workers"].values()
+        return all(w["in_flight"] == 0 and w["engine"].get("running", 1) == 0 for w in ws)
+
+    _wait(idle, 30, "the aborted request to leave the worker and the router")
+    assert sum(w["engine"]["aborted"] for w in _stats(http)["workers"].values()) >= 1
+
+
+def test_dead_worker_is_purged_and_replaced(http):
+    """Kill one worker's actor: the router purges it, requests keep succeeding on the survivor,
+    and Serve's replacement replica joins the router's membership."""
+    before = set(_stats(http)["workers"])
+    victim, survivor = sorted(before)
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP}#Worker#{victim}", namespace="serve"), no_restart=True)
+
+    def gen(i: int):
+        return http.post("/generate", json={"rid": f"after-kill-{i}", "text": f"Hello {i}",
+                                            "sampling_params": {"temperature": 0, "max_new_tokens": 4}})
+
+    early = [gen(i) for i in range(4)]  # right after the kill: must not fail
+    assert [r.status_code for r in early] == [200] * 4, [r.text for r in early]
+    _wait(lambda: victim not in _stats(http)["workers"], 60, "the router to purge the dead worker")
+    assert victim in _stats(http)["purged_workers"]
+    served = _worker_logs()
+    assert all(served.get(f"after-kill-{i}") == survivor for i in range(4))
+
+    joined = _wait(lambda: set(_stats(http)["workers"]) - before, 240, "a replacement worker to join", 1.0)
+    (newcomer,) = joined
+    rs = [gen(10 + i) for i in range(4)]
+    assert all(r.status_code == 200 for r in rs)
+    decided, served = _decisions(), _worker_logs()
+    assert {served[f"after-kill-{10 + i}"] for i in range(4)} == {survivor, newcomer}
+    assert all(served[f"after-kill-{10 + i}"] == decided[f"after-kill-{10 + i}"] for i in range(4))

@@ -1,0 +1,59 @@
+"""ClusterArgs and the builder, without a Ray cluster: fast checks that bad config fails early."""
+import typing
+
+import pytest
+from pydantic import ValidationError
+
+from cluster.app import deployment
+from cluster.config import ENGINE_OPTIONS, ClusterArgs
+from cluster.router import available_policies
+from engine.config import EngineConfig
+
+
+def test_defaults_and_cli_strings():
+    args = ClusterArgs.model_validate({"workers": "2", "policy": "round_robin", "page_size": "16",
+                                       "num_cpus": "0.5", "cache_threshold": "0.3"})
+    assert (args.workers, args.policy, args.page_size, args.num_cpus) == (2, "round_robin", 16, 0.5)
+    assert args.engine_options()["page_size"] == 16
+    assert ClusterArgs().workers == 1 and ClusterArgs().policy == "cache_aware"
+    assert ClusterArgs().model_name() == "SmolLM2-135M-Instruct"
+
+
+def test_every_field_is_described():
+    for name, f in ClusterArgs.model_fields.items():
+        assert f.description, name
+
+
+def test_policies_match_the_registry():
+    assert set(typing.get_args(ClusterArgs.model_fields["policy"].annotation)) == set(available_policies())
+
+
+def test_engine_options_follow_engine_config():
+    import dataclasses
+
+    assert set(ENGINE_OPTIONS) == {f.name for f in dataclasses.fields(EngineConfig)} - {"model",
+                                                                                        "enable_cache_events"}
+
+
+@pytest.mark.parametrize("bad, where", [
+    ({"workers": 0}, "workers"), ({"policy": "fastest"}, "policy"), ({"wokers": 2}, "wokers"),
+    ({"cache_threshold": 2}, "cache_threshold"), ({"page_size": 0}, "page_size"),
+    ({"schedule_policy": "sjf"}, "schedule_policy"), ({"model": "/no/such/model"}, "not found"),
+    ({"dtype": "int3"}, "dtype"),
+])
+def test_invalid_config_fails_fast(bad, where):
+    with pytest.raises(ValidationError) as info:
+        ClusterArgs.model_validate(bad)
+    assert where in str(info.value)
+
+
+def test_builder_wires_three_deployments():
+    app = deployment(ClusterArgs(workers=3, policy="prefix_hash", num_cpus=0.5, num_gpus=0))
+    ingress = app._bound_deployment
+    assert ingress.name == "Ingress"
+    router, worker = ingress.init_args[0], ingress.init_args[1]
+    assert router._bound_deployment.name == "Router" and worker._bound_deployment.name == "Worker"
+    wd = worker._bound_deployment
+    assert wd.num_replicas == 3 and wd.ray_actor_options["num_cpus"] == 0.5
+    assert wd._deployment_config.request_router_config.request_router_class.endswith("PinnedRequestRouter")
+    assert router._bound_deployment.init_args[1] == "prefix_hash"
