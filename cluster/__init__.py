@@ -1,3 +1,24 @@
-"""cluster: Ray Serve deployments (ingress, router, worker pools), KV transfer, autoscaling and the
-`cluster.app:deployment` builder. Built in a later slice (issue 4); empty until then.
+"""cluster: the Ray Serve application — ingress, router and worker pool — built by
+`cluster.app:deployment` (`serve run cluster.app:deployment [key=value ...]`).
+
+Data flow (unified mode) and who owns each stage:
+
+    client ──HTTP/OpenAI──▶ Ingress (ingress.py; routes from serving/, replicas scale freely)
+        │ validate, chat template, tokenize ONCE
+        │ Router.route(input_ids, rid) ─────────▶ RouterDeployment (router/router.py, 1 replica)
+        │      ◀── RoutingDecision(worker_id)          ClusterState + policy (router/state.py,
+        │                                              policies.py, tree.py)
+        │ Worker.generate, pinned to worker_id ─▶ Worker (worker.py): engine.Engine
+        │      ◀── one message per engine step         (PinnedRequestRouter, pinning.py, obeys
+        │          (all new tokens of that step)        session_id = replica unique_id)
+        │ Router.finish(worker_id) when the stream ends or is cancelled
+        ▼ detokenized text → JSON / SSE
+    RouterDeployment control loop (every report_interval_s):
+        membership ◀── membership.py (the worker replica set Serve's controller broadcasts to the
+                       router's handle); dead replicas are purged from the trees
+        Worker.report() ◀── queue length, KV usage, drained radix-cache events → tree replay
+
+Token streams go worker → ingress, never through the router. Aborts: a client disconnect
+closes the backend stream, which cancels the Ray generator; Serve cancels the worker's
+generator and the engine frees the request's pages. Configuration: config.py (ClusterArgs).
 """

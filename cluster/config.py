@@ -23,8 +23,8 @@ from engine.errors import InvalidConfigError
 
 PolicyName = Literal["cache_aware", "round_robin", "power_of_two", "random", "prefix_hash"]
 
-_NOT_EXPOSED = {"model", "enable_cache_events"}
-"""EngineConfig fields set by the cluster itself."""
+_NOT_EXPOSED = {"model", "enable_cache_events", "skip_tokenizer_init"}
+"""EngineConfig fields set by the cluster itself (workers detokenize, so they keep a tokenizer)."""
 
 
 class _ClusterFields(BaseModel):

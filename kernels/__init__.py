@@ -1,5 +1,9 @@
-"""Attention backends and (later) Triton kernels. Holds no scheduling logic and never imports `engine`.
+"""Attention backends and Triton kernels. Holds no scheduling logic and never imports `engine`.
 
     attention/base.py          AttentionBackend interface + registry (lazy imports)
-    attention/torch_native.py  the CPU path and the reference every GPU backend is tested against
+    attention/torch_native.py  the CPU path and the reference every other backend is tested against
+    attention/triton.py        TritonAttnBackend over our kernels:
+    triton/                    store_kv.py, decode_attention.py (split-K), extend_attention.py (cached prefix
+                               + causal new tokens); each has a plain-torch *_reference and tests, run on CPU
+                               under TRITON_INTERPRET=1 and compiled on CUDA
 """

@@ -31,8 +31,10 @@ def test_policies_match_the_registry():
 def test_engine_options_follow_engine_config():
     import dataclasses
 
-    assert set(ENGINE_OPTIONS) == {f.name for f in dataclasses.fields(EngineConfig)} - {"model",
-                                                                                        "enable_cache_events"}
+    from cluster.config import _NOT_EXPOSED
+
+    assert set(ENGINE_OPTIONS) == {f.name for f in dataclasses.fields(EngineConfig)} - _NOT_EXPOSED
+    assert "page_size" in ENGINE_OPTIONS and "skip_tokenizer_init" not in ENGINE_OPTIONS
 
 
 @pytest.mark.parametrize("bad, where", [
@@ -57,3 +59,14 @@ def test_builder_wires_three_deployments():
     assert wd.num_replicas == 3 and wd.ray_actor_options["num_cpus"] == 0.5
     assert wd._deployment_config.request_router_config.request_router_class.endswith("PinnedRequestRouter")
     assert router._bound_deployment.init_args[1] == "prefix_hash"
+
+
+def test_serve_config_yaml_args_are_valid():
+    import pathlib
+
+    import yaml
+
+    doc = yaml.safe_load((pathlib.Path(__file__).parents[1] / "deploy" / "serve_config.yaml").read_text())
+    (app,) = doc["applications"]
+    assert app["import_path"] == "cluster.app:deployment"
+    ClusterArgs.model_validate(app["args"])

@@ -1,4 +1,5 @@
-"""router: choose a worker for each tokenized request (pure Python, no Ray).
+"""router: choose a worker for each tokenized request. The core (tree, state, policies) is pure
+Python without Ray; router.py wraps it in the Serve deployment (import it explicitly).
 
 Data flow and owners:
 

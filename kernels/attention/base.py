@@ -70,6 +70,7 @@ class AttentionBackend(abc.ABC):
 # name -> "module:Class", imported on first use so GPU-only backends cost nothing on CPU.
 _REGISTRY: Dict[str, str] = {
     "torch_native": "kernels.attention.torch_native:TorchNativeAttnBackend",
+    "triton": "kernels.attention.triton:TritonAttnBackend",
 }
 
 

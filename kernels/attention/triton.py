@@ -1,0 +1,95 @@
+"""TritonAttnBackend: paged attention with radixserve's own Triton kernels (kernels/triton/).
+
+Per forward, init_forward_metadata sizes the launch from host lists (no device sync):
+DECODE picks the split-K factor and allocates the float32 split scratch shared by every layer;
+EXTEND records the longest extend length (the grid's third dimension). Per layer, forward stores
+the new K/V into the pool (store_kv), then runs decode_attention or extend_attention.
+
+The kernel modules import triton, so they are imported on first use: `import kernels` and the
+registry stay cheap and work on CPU-only installs without triton. On CPU the kernels run only under
+the Triton interpreter (TRITON_INTERPRET=1 set before triton is imported), which tests use.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from kernels.attention.base import AttentionBackend, ForwardBatchLike
+
+
+@dataclass
+class _DecodeMeta:
+    num_splits: int
+    """KV splits per request (stage-1 grid dim 3)."""
+    mid_o: torch.Tensor
+    """(bs, H, num_splits, D) float32, device — per-split normalized partial outputs."""
+    mid_lse: torch.Tensor
+    """(bs, H, num_splits) float32, device — per-split log2-sum-exp."""
+
+
+@dataclass
+class _ExtendMeta:
+    max_extend_len: int
+    """max(extend_seq_lens) — sizes the grid's query-block dimension."""
+
+
+class TritonAttnBackend(AttentionBackend):
+    """See AttentionBackend for the shapes of `forward`. `num_kv_splits`, when set, overrides the split
+    heuristic (a fixed value keeps decode launches shape-stable, e.g. under CUDA graphs)."""
+
+    def __init__(self, *args, num_kv_splits: Optional[int] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.req_to_token.device.type != "cuda":
+            from kernels.triton import fix_interpreter_scalar_index
+
+            fix_interpreter_scalar_index()  # CPU means the Triton interpreter
+        self.num_kv_splits = num_kv_splits
+        self._meta_batch: Optional[ForwardBatchLike] = None
+        self._decode: Optional[_DecodeMeta] = None
+        self._extend: Optional[_ExtendMeta] = None
+
+    def init_forward_metadata(self, batch: ForwardBatchLike) -> None:
+        from kernels.triton import decode_attention as dec
+
+        self._decode = self._extend = None
+        if _is_decode(batch):
+            device = self.req_to_token.device
+            max_len = max(batch.seq_lens_cpu) if batch.batch_size else 0
+            splits = self.num_kv_splits or dec.pick_num_kv_splits(batch.batch_size, self.num_kv_heads, max_len, device)
+            mid_o, mid_lse = dec.alloc_decode_scratch(batch.batch_size, self.num_heads, self.head_dim, splits, device)
+            self._decode = _DecodeMeta(splits, mid_o, mid_lse)
+        else:
+            self._extend = _ExtendMeta(max(batch.extend_seq_lens_cpu) if batch.batch_size else 0)
+        self._meta_batch = batch
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                batch: ForwardBatchLike) -> torch.Tensor:
+        """q (T, H, D), k/v (T, Hkv, D) -> (T, H, D) in q's dtype; writes k/v at batch.out_cache_loc first."""
+        from kernels.triton.store_kv import store_kv
+
+        if self._meta_batch is not batch:
+            self.init_forward_metadata(batch)
+        k_buf, v_buf = self.kv_pool.get_kv_buffer(layer_id)
+        store_kv(k_buf, v_buf, batch.out_cache_loc, k, v)
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if self._decode is not None:
+            from kernels.triton.decode_attention import decode_attention
+
+            meta = self._decode
+            return decode_attention(q, k_buf, v_buf, out, self.req_to_token, batch.req_pool_indices, batch.seq_lens,
+                                    self.scale, meta.num_splits, meta.mid_o, meta.mid_lse)
+        from kernels.triton.extend_attention import extend_attention
+
+        k = k if k.stride(-1) == 1 else k.contiguous()
+        v = v if v.stride(-1) == 1 else v.contiguous()
+        return extend_attention(q, k, v, out, k_buf, v_buf, self.req_to_token, batch.req_pool_indices,
+                                batch.extend_prefix_lens, batch.extend_seq_lens, batch.extend_start_loc,
+                                self._extend.max_extend_len, self.scale)
+
+
+def _is_decode(batch: ForwardBatchLike) -> bool:
+    mode = batch.forward_mode
+    return getattr(mode, "value", mode) == "decode"
