@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The README's run command: installs what it needs (deploy/install.sh), then starts the Ray Serve
+# application on a local Ray cluster. Arguments are ClusterArgs, e.g. `workers=2 policy=round_robin`.
+# The OpenAI endpoint is http://127.0.0.1:8000/v1.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash deploy/install.sh
+export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+exec "${RADIXSERVE_VENV:-.venv}/bin/serve" run cluster.app:deployment "$@"
