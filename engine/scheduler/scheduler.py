@@ -22,7 +22,7 @@ from engine.memory.kv_cache_manager import KVCacheManager
 from engine.request import FinishReason, Req
 from engine.scheduler.decode import retract_for_decode
 from engine.scheduler.output import OutputProcessor
-from engine.scheduler.policy import InBatchPrefixIndex, order_waiting_queue
+from engine.scheduler.policy import LPM_MAX_QUEUE, InBatchPrefixIndex, order_waiting_queue
 from engine.scheduler.prefill import PrefillAdder
 from engine.scheduler.schedule_batch import ScheduleBatch
 
@@ -86,7 +86,10 @@ class Scheduler:
     def _get_new_prefill_batch(self) -> Optional[ScheduleBatch]:
         adder = PrefillAdder(self.kv, self.running, self.config.max_prefill_tokens, self.config.chunked_prefill_size,
                              self.config.new_token_ratio, self.config.max_running_requests)
-        in_batch = InBatchPrefixIndex() if self.config.schedule_policy == "lpm" and self.kv.use_tree else None
+        # Like lpm ordering itself, the in-batch check is skipped for long queues (it costs a tree walk per request).
+        use_in_batch = (self.config.schedule_policy == "lpm" and self.kv.use_tree
+                        and len(self.waiting) <= LPM_MAX_QUEUE)
+        in_batch = InBatchPrefixIndex() if use_in_batch else None
         if self.chunked_req is not None:
             if not adder.add_one(self.chunked_req, admitted=True):
                 return None
