@@ -144,20 +144,7 @@ class RadixCache:
             self.stats.queried_tokens += len(key)
         if self.disable:
             return MatchResult(self._empty, self.root, 0)
-        self._clock += 1
-        key = key[:len(key) - len(key) % self.page_size]
-        node, values, offset = self.root, [], 0
-        while offset < len(key):
-            child = node.children.get(self._child_key(key, offset))
-            if child is None:
-                break
-            n = self._match_len(child.key, key, offset)
-            if n < len(child.key):
-                child = self._split_node(child, n)
-            child.last_access_time = self._clock
-            values.append(child.value)
-            offset += n
-            node = child  # after a split, no child of `node` matches key[offset:], so the loop ends
+        node, values, offset = self._walk(key[:len(key) - len(key) % self.page_size])
         if record_stats:
             self.stats.matched_tokens += offset
         indices = torch.cat(values) if values else self._empty
@@ -177,11 +164,23 @@ class RadixCache:
             raise ValueError(f"value must be ({len(key)},) slot indices, got shape {tuple(value.shape)}")
         if self.disable:
             return 0
-        self._clock += 1
         aligned = len(key) - len(key) % self.page_size
         key = key[:aligned]
-        node, offset = self.root, 0
-        while offset < aligned:
+        node, _, offset = self._walk(key)
+        if offset < aligned:
+            self._add_leaf(node, key[offset:], value[offset:aligned].clone())
+        return offset
+
+    def _walk(self, key: List[int]) -> Tuple[TreeNode, List[torch.Tensor], int]:
+        """Follow the page-aligned `key` down from the root as far as it is cached.
+
+        Splits the node the match ends inside (so the returned node ends exactly at the
+        returned offset) and stamps every node passed with a new LRU time. Returns the
+        deepest node, the values along the path and the matched length.
+        """
+        self._clock += 1
+        node, values, offset = self.root, [], 0
+        while offset < len(key):
             child = node.children.get(self._child_key(key, offset))
             if child is None:
                 break
@@ -189,11 +188,10 @@ class RadixCache:
             if n < len(child.key):
                 child = self._split_node(child, n)
             child.last_access_time = self._clock
+            values.append(child.value)
             offset += n
-            node = child
-        if offset < aligned:
-            self._add_leaf(node, key[offset:], value[offset:aligned].clone())
-        return offset
+            node = child  # after a split, no child of `node` matches key[offset:], so the loop ends
+        return node, values, offset
 
     # ---- locking ---------------------------------------------------------------
     def inc_lock_ref(self, node: TreeNode) -> None:
