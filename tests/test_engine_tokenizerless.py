@@ -53,3 +53,15 @@ def test_dummy_weights_from_a_bare_config(tmp_path):
         outs = engine.generate([[1, 2, 3], [4, 5]], dict(temperature=0.8, seed=3, max_new_tokens=6, ignore_eos=True))
         assert [o.completion_tokens for o in outs] == [6, 6]
         assert all(0 <= t < TINY["vocab_size"] for o in outs for t in o.token_ids)
+
+
+def test_context_is_capped_at_a_sliding_window(tmp_path):
+    """Attention is full, so a sliding-window model (Mistral) is only exact within its window."""
+    config = {**TINY, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 64}
+    config.pop("rope_scaling")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with make_engine(model=str(tmp_path), load_format="dummy", skip_tokenizer_init=True,
+                     max_total_tokens=512) as engine:
+        assert engine.context_len == 64
+        out = engine.generate([[1, 2, 3]], dict(temperature=0, max_new_tokens=100, ignore_eos=True))[0]
+        assert out.finish_reason == "length" and 3 + out.completion_tokens == 64

@@ -79,6 +79,11 @@ class ModelRunner:
                                 seed=self.config.random_seed)
         self.vocab_size = int(self.model_config.vocab_size)
         self.context_len = int(self.config.context_length or self.model_config.max_position_embeddings)
+        window = self.model.sliding_window
+        if window is not None and self.context_len > window:
+            # Attention here is full, not windowed: it matches the model only within the window.
+            logger.warning("context length capped at the model's sliding window (%d tokens)", window)
+            self.context_len = window
 
     def _kv_capacity_tokens(self, bytes_per_token: int) -> int:
         if self.config.max_total_tokens is not None:
