@@ -78,27 +78,17 @@ def run_bare(args, sessions) -> Dict[str, Any]:
             async def one(p) -> None:
                 async def go() -> bs.Result:
                     res = bs.Result(ok=False)
-                    start = last = time.perf_counter()
-                    pieces = []
                     try:
                         async for ch in engine.generate_stream(p, params):
                             if ch.text:
-                                now = time.perf_counter()
-                                if not pieces:
-                                    res.ttft = now - start
-                                else:
-                                    res.itl.append(now - last)
-                                last = now
-                                pieces.append(ch.text)
+                                res.add_text(ch.text)
                             if ch.finish_reason is not None:
                                 res.prompt_tokens, res.cached_tokens = ch.prompt_tokens, ch.cached_tokens
                                 res.output_tokens = ch.completion_tokens
                     except Exception as exc:  # noqa: BLE001
                         res.error = f"{type(exc).__name__}: {exc}"
                         return res
-                    res.e2e = time.perf_counter() - start
-                    res.ok = True
-                    return res
+                    return res.finish()
 
                 if sem is None:
                     results.append(await go())

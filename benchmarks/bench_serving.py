@@ -100,6 +100,26 @@ class Result:
     output_tokens: int = 0
     text: str = ""
     error: str = ""
+    pieces: List[str] = field(default_factory=list)
+    start: float = field(default_factory=time.perf_counter)
+    last: float = 0.0
+
+    def add_text(self, text: str) -> None:
+        """A streamed piece of text arrived: the first sets TTFT, later ones add an inter-token latency."""
+        now = time.perf_counter()
+        if not self.pieces:
+            self.ttft = now - self.start
+        else:
+            self.itl.append(now - self.last)
+        self.last = now
+        self.pieces.append(text)
+
+    def finish(self) -> "Result":
+        self.e2e = time.perf_counter() - self.start
+        self.text = "".join(self.pieces)
+        self.output_tokens = self.output_tokens or len(self.pieces)
+        self.ok = True
+        return self
 
 
 async def send(client: httpx.AsyncClient, args, turn: Turn, history: List[Dict[str, str]]) -> Result:
@@ -113,8 +133,6 @@ async def send(client: httpx.AsyncClient, args, turn: Turn, history: List[Dict[s
         messages = turn.messages or history + [{"role": "user", "content": turn.question}]
         url, body = "/v1/chat/completions", {**common, "messages": messages}
     res = Result(ok=False)
-    start = last = time.perf_counter()
-    pieces: List[str] = []
     try:
         async with client.stream("POST", url, json=body) as r:
             if r.status_code != 200:
@@ -131,13 +149,7 @@ async def send(client: httpx.AsyncClient, args, turn: Turn, history: List[Dict[s
                 for choice in chunk.get("choices") or []:
                     text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
                 if text:
-                    now = time.perf_counter()
-                    if not pieces:
-                        res.ttft = now - start
-                    else:
-                        res.itl.append(now - last)
-                    last = now
-                    pieces.append(text)
+                    res.add_text(text)
                 usage = chunk.get("usage")
                 if usage:
                     res.prompt_tokens = usage.get("prompt_tokens", 0)
@@ -146,11 +158,7 @@ async def send(client: httpx.AsyncClient, args, turn: Turn, history: List[Dict[s
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"
         return res
-    res.e2e = time.perf_counter() - start
-    res.text = "".join(pieces)
-    res.output_tokens = res.output_tokens or len(pieces)
-    res.ok = True
-    return res
+    return res.finish()
 
 
 # --- load generation ---------------------------------------------------------------------------
@@ -282,7 +290,7 @@ def plot(results: List[Result], path: str, title: str) -> Optional[str]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: skipping the plot (pip install matplotlib)")
+        print("matplotlib is not installed: skipping the plot (pip install -e ".[bench]")")
         return None
     ok = [r for r in results if r.ok]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
@@ -340,7 +348,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     record = {"args": {k: (None if v == math.inf else v) for k, v in vars(args).items() if k != "api_key"},
               "client_host": client_host, "summary": summary, "server_cache_before": before,
               "server_cache_after": after,
-              "requests": [{k: v for k, v in asdict(r).items() if k not in ("text", "itl")} for r in results]}
+              "requests": [{k: v for k, v in asdict(r).items() if k not in ("text", "itl", "pieces", "start", "last")} for r in results]}
     with open(out, "w") as f:
         json.dump(record, f, indent=1)
     print(f"wrote {out}")
