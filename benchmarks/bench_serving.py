@@ -290,7 +290,7 @@ def plot(results: List[Result], path: str, title: str) -> Optional[str]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: skipping the plot (pip install -e ".[bench]")")
+        print("matplotlib is not installed: skipping the plot (pip install -e '.[bench]')")
         return None
     ok = [r for r in results if r.ok]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
