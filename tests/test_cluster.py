@@ -76,8 +76,12 @@ def _served(rids_by_worker_calls) -> dict:
 
 
 def _worker_logs() -> dict:
+    """rid → worker that served it, from every live worker. A just-killed replica may still be in
+    this driver handle's replica set (membership updates are asynchronous): its answer is an
+    ActorDiedError, which is skipped."""
     handle = serve.get_deployment_handle("Worker", APP)
-    return _served(handle.broadcast("served").results(timeout_s=30))
+    answers = handle.broadcast("served").results(timeout_s=30, return_exceptions=True)
+    return _served(a for a in answers if not isinstance(a, BaseException))
 
 
 def _decisions() -> dict:
