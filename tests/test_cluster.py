@@ -169,12 +169,13 @@ def test_client_disconnect_aborts_on_the_worker(cluster, http):
                 if i >= 6:
                     break
 
-    def idle():
+    def aborted_and_idle():
+        # Worker stats reach the router with its next poll: wait for a report taken after the abort.
         ws = _stats(http)["workers"].values()
-        return all(w["in_flight"] == 0 and w["engine"].get("running", 1) == 0 for w in ws)
+        idle = all(w["in_flight"] == 0 and w["engine"].get("running", 1) == 0 for w in ws)
+        return idle and sum(w["engine"].get("aborted", 0) for w in ws) >= 1
 
-    _wait(idle, 30, "the aborted request to leave the worker and the router")
-    assert sum(w["engine"]["aborted"] for w in _stats(http)["workers"].values()) >= 1
+    _wait(aborted_and_idle, 30, "the aborted request to be counted and to leave the worker and the router")
 
 
 def test_dead_worker_is_purged_and_replaced(http):
