@@ -13,15 +13,47 @@ No `from __future__ import annotations` here: Serve applies the builder's pydant
 when it is a real class (RAY_SERVE_NOTES §6).
 """
 import dataclasses
+import json
 import typing
 from typing import Any, Dict, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from engine.config import EngineConfig
 from engine.errors import InvalidConfigError
 
 PolicyName = Literal["cache_aware", "round_robin", "power_of_two", "random", "prefix_hash"]
+Mode = Literal["unified", "disaggregated"]
+KVTransferName = Literal["nixl", "nccl"]
+PoolName = Literal["unified", "prefill", "decode"]
+"""The worker pools: `unified` in unified mode; `prefill` and `decode` in disaggregated mode."""
+
+
+class PoolAutoscaling(BaseModel):
+    """Autoscaling of one worker pool. The pool's replica count (`workers`, `prefill_workers` or
+    `decode_workers`) is then the initial count; the cluster's control loop keeps the pool within
+    [min_replicas, max_replicas], driven by the LLM signals below."""
+    model_config = ConfigDict(extra="forbid")
+
+    min_replicas: int = Field(1, ge=1, description="Fewest replicas of the pool.")
+    max_replicas: int = Field(4, ge=1, description="Most replicas of the pool.")
+    target_waiting_per_replica: float = Field(4.0, gt=0.0, description="Scale up when the pool's waiting "
+                                              "requests per replica exceed this.")
+    target_kv_usage: float = Field(0.8, gt=0.0, le=1.0, description="Scale up when the pool's mean KV-cache "
+                                   "usage exceeds this share.")
+    ttft_target_ms: Optional[float] = Field(None, gt=0.0, description="Scale up when the pool's recent p90 "
+                                            "time to first token exceeds this (prefill and unified pools).")
+    itl_target_ms: Optional[float] = Field(None, gt=0.0, description="Scale up when the pool's recent p90 "
+                                           "inter-token latency exceeds this (decode and unified pools).")
+    upscale_delay_s: float = Field(5.0, ge=0.0, description="A scale-up signal must hold this long first.")
+    downscale_delay_s: float = Field(30.0, ge=0.0, description="The pool must be idle enough this long "
+                                     "before one replica is removed.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "PoolAutoscaling":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
+        return self
 
 _NOT_EXPOSED = {"model", "enable_cache_events", "skip_tokenizer_init"}
 """EngineConfig fields set by the cluster itself (workers detokenize, so they keep a tokenizer)."""
@@ -34,7 +66,21 @@ class _ClusterFields(BaseModel):
                                                    "node; default: SmolLM2-135M-Instruct.")
     served_model_name: Optional[str] = Field(None, description="Model name clients send in requests; default: "
                                                                "derived from `model`.")
+    mode: Mode = Field("unified", description="unified: every worker prefills and decodes; disaggregated: "
+                       "a prefill pool hands each prompt's KV cache to a decode pool.")
     workers: int = Field(1, ge=1, description="Replicas in the unified worker pool (one engine each).")
+    prefill_workers: int = Field(1, ge=1, description="disaggregated: replicas in the prefill pool.")
+    decode_workers: int = Field(1, ge=1, description="disaggregated: replicas in the decode pool.")
+    kv_transfer: KVTransferName = Field("nixl", description="disaggregated: how KV pages move from prefill to "
+                                        "decode replicas: nixl (UCX; GPU or host memory) or nccl (GPUs only).")
+    kv_transfer_timeout_s: float = Field(30.0, gt=0.0, description="disaggregated: a KV handoff not done in "
+                                         "this time fails; pages are freed on both sides.")
+    autoscaling: Optional[PoolAutoscaling] = Field(None, description="Autoscaling of the unified pool (JSON "
+                                                   "object on the command line); off when unset.")
+    prefill_autoscaling: Optional[PoolAutoscaling] = Field(None, description="Autoscaling of the prefill pool; "
+                                                           "off when unset.")
+    decode_autoscaling: Optional[PoolAutoscaling] = Field(None, description="Autoscaling of the decode pool; "
+                                                          "off when unset.")
     policy: PolicyName = Field("cache_aware", description="Router policy: cache_aware (SGLang's), round_robin, "
                                                           "power_of_two, random, prefix_hash.")
     cache_threshold: float = Field(0.5, ge=0.0, le=1.0, description="cache_aware: route to the best-matching worker "
@@ -61,6 +107,9 @@ class _ClusterFields(BaseModel):
                                               "replica accepts before Serve queues them.")
     api_key: Optional[str] = Field(None, description="When set, /v1/* and /generate need 'Authorization: Bearer "
                                    "<api_key>'.")
+    admin_api_key: Optional[str] = Field(None, description="Key of the admin API (/admin/*) and the dashboard "
+                                         "(/dashboard): 'Authorization: Bearer <admin_api_key>'. Must differ from "
+                                         "api_key. Unset: admin routes answer 401.")
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Request bodies larger than this get a 413.")
     worker_access_log: bool = Field(False, description="Log every call to a worker replica (generate, and the "
                                     "router's report polls several times a second).")
@@ -82,7 +131,43 @@ def _engine_fields() -> Dict[str, Any]:
 ENGINE_OPTIONS = tuple(_engine_fields())
 
 
+_UNIFIED_ONLY = ("workers", "autoscaling")
+_DISAGGREGATED_ONLY = ("prefill_workers", "decode_workers", "kv_transfer", "kv_transfer_timeout_s",
+                       "prefill_autoscaling", "decode_autoscaling")
+
+
 class _Validated(_ClusterFields):
+    @field_validator("autoscaling", "prefill_autoscaling", "decode_autoscaling", mode="before")
+    @classmethod
+    def _json_object(cls, value: Any) -> Any:
+        """`serve run ... autoscaling='{"max_replicas": 4}'` passes a string."""
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"expected a JSON object: {exc}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _check_mode(self) -> "_Validated":
+        wrong = _DISAGGREGATED_ONLY if self.mode == "unified" else _UNIFIED_ONLY
+        given = sorted(set(wrong) & self.model_fields_set)
+        if given:
+            raise ValueError(f"{', '.join(given)} not used with mode={self.mode}")
+        if self.admin_api_key is not None and self.admin_api_key == self.api_key:
+            raise ValueError("admin_api_key must differ from api_key")
+        return self
+
+    def pool_sizes(self) -> Dict[str, int]:
+        """Initial replicas of each pool of this mode: {pool name: replicas}."""
+        if self.mode == "unified":
+            return {"unified": self.workers}
+        return {"prefill": self.prefill_workers, "decode": self.decode_workers}
+
+    def pool_autoscaling(self, pool: str) -> Optional[PoolAutoscaling]:
+        return {"unified": self.autoscaling, "prefill": self.prefill_autoscaling,
+                "decode": self.decode_autoscaling}[pool]
+
     @model_validator(mode="after")
     def _check_engine(self) -> "_Validated":
         try:
