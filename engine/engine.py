@@ -18,10 +18,11 @@ import threading
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional, Sequence, Union
 
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError, InvalidRequestError, PromptTooLongError, QueueFullError
+from engine.errors import (EngineAbortedError, EngineDeadError, InvalidRequestError, PromptTooLongError,
+                           QueueFullError)
 from engine.memory.kv_cache_manager import KVCacheManager
 from engine.memory.radix_cache import RadixCache
 from engine.models.source import resolve_model
@@ -29,12 +30,27 @@ from engine.request import Req, ReqOutput, TokenLogprob
 from engine.runner.grammar import GrammarCompiler, GrammarState
 from engine.runner.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
+from engine.scheduler.handoff import KVReservation, PrefillHandoff
 from engine.scheduler.scheduler import Scheduler
 from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 Prompt = Union[str, Sequence[int]]
+RemotePrefill = Callable[[KVReservation], Awaitable[PrefillHandoff]]
+"""Decode side of disaggregation: fills the reserved pages and returns the first token (see generate_stream)."""
+
+
+def _deliver_to(loop: asyncio.AbstractEventLoop, fn: Callable[[ReqOutput], Any]) -> Callable[[ReqOutput], None]:
+    """An on_output callback (run in the engine thread) that hands outputs to `fn` on `loop`; outputs
+    for a caller whose event loop has closed (it went away) are dropped."""
+    def deliver(out: ReqOutput) -> None:
+        if not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(fn, out)
+            except RuntimeError:  # closed between the check and the call
+                pass
+    return deliver
 
 
 @dataclass
@@ -159,14 +175,22 @@ class Engine:
         outs = [self._to_generate_output(acc) for acc in accs]
         return outs[0] if single and len(outs) == 1 else outs
 
-    async def generate_stream(self, prompt: Prompt, sampling_params: Any = None,
-                              rid: Optional[str] = None) -> AsyncIterator[StreamOutput]:
+    async def generate_stream(self, prompt: Prompt, sampling_params: Any = None, rid: Optional[str] = None,
+                              remote_prefill: Optional[RemotePrefill] = None) -> AsyncIterator[StreamOutput]:
         """Yield StreamOutputs (one per engine step with news, per choice) until every choice finishes.
-        Cancelling the iterator (client disconnect) aborts the request and frees its pages."""
+        Cancelling the iterator (client disconnect) aborts the request and frees its pages.
+
+        `remote_prefill` (disaggregation, decode side; n must be 1): the prompt is not computed here.
+        Once destination pages are reserved, `await remote_prefill(reservation)` must fill them (a
+        KVReservation) and return the PrefillHandoff; decoding then continues here. If it raises, the
+        request is aborted (pages freed) and the error propagates."""
         loop = asyncio.get_running_loop()
         q: "asyncio.Queue[ReqOutput]" = asyncio.Queue()
         params = SamplingParams.from_any(sampling_params)
-        reqs = self._make_group(prompt, params, rid, lambda out: loop.call_soon_threadsafe(q.put_nowait, out))
+        if remote_prefill is not None and params.n != 1:
+            raise InvalidRequestError("n > 1 is not supported with a remote prefill", param="n")
+        reqs = self._make_group(prompt, params, rid, _deliver_to(loop, q.put_nowait),
+                                handoff="import" if remote_prefill is not None else None)
         index = {r.rid: i for i, r in enumerate(reqs)}
         self._submit(reqs)
         pending = len(reqs)
@@ -175,6 +199,10 @@ class Engine:
                 out = await q.get()
                 if out.error is not None:
                     raise out.error
+                if out.handoff is not None:
+                    handoff = await remote_prefill(out.handoff)
+                    self._inbox.put(("import_done", out.rid, handoff))
+                    continue
                 pending -= out.finish_reason is not None
                 yield StreamOutput(
                     rid=out.rid, index=index[out.rid], new_token_ids=out.new_token_ids, text=out.text_delta,
@@ -187,6 +215,35 @@ class Engine:
             if pending:
                 for r in reqs:
                     self.abort(r.rid)
+
+    async def prefill_for_handoff(self, prompt: Prompt, sampling_params: Any = None,
+                                  rid: Optional[str] = None) -> PrefillHandoff:
+        """Disaggregation, prefill side: compute the prompt (reusing the radix cache), sample the first
+        token, and return a PrefillHandoff naming the pages that hold the prompt's KV. Those pages stay
+        held until `release_handoff(rid)` — the caller MUST call it once the transfer is over (done or
+        failed). Cancelling the call aborts the request (pages freed)."""
+        loop = asyncio.get_running_loop()
+        fut: "asyncio.Future[ReqOutput]" = loop.create_future()
+        deliver = _deliver_to(loop, lambda out: fut.done() or fut.set_result(out))
+        params = SamplingParams.from_any(sampling_params)
+        if params.n != 1:
+            raise InvalidRequestError("n > 1 is not supported with a remote prefill", param="n")
+        (req,) = self._make_group(prompt, params, rid, deliver, handoff="export")
+        self._submit([req])
+        try:
+            out = await fut
+        except BaseException:
+            self.abort(req.rid)
+            raise
+        if out.error is not None:
+            raise out.error
+        if out.handoff is None:  # aborted before the prompt was done
+            raise EngineAbortedError(f"request {req.rid} was aborted before its prefill finished")
+        return out.handoff
+
+    def release_handoff(self, rid: str) -> None:
+        """Prefill side: the KV transfer of `rid` is over; its pages go to the radix cache."""
+        self._inbox.put(("release_export", rid))
 
     def abort(self, rid: str) -> None:
         """Abort a request (all choices of it): waiting or running, its pages are freed."""
@@ -260,7 +317,7 @@ class Engine:
         return ids
 
     def _make_group(self, prompt: Prompt, params: SamplingParams, rid: Optional[str],
-                    on_output: Optional[Callable[[ReqOutput], None]]) -> List[Req]:
+                    on_output: Optional[Callable[[ReqOutput], None]], handoff: Optional[str] = None) -> List[Req]:
         """The n requests of one prompt. Choices 1..n-1 wait until choice 0 has cached the prompt.
         A constraint (json_schema / regex / ebnf) is compiled here, once per group; each choice
         gets its own GrammarState."""
@@ -282,7 +339,7 @@ class Engine:
                 IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
                 stop_matcher=StopStringMatcher(params.stop) if params.stop else None,
                 wait_for=reqs[0] if i and not self.config.disable_radix_cache else None,
-                grammar=GrammarState(compiled) if compiled is not None else None))
+                grammar=GrammarState(compiled) if compiled is not None else None, handoff=handoff))
         return reqs
 
     def _submit(self, reqs: List[Req]) -> None:
@@ -345,6 +402,10 @@ class Engine:
                 self.scheduler.add_request(msg[1])
             elif kind == "abort":
                 self.scheduler.abort(msg[1])
+            elif kind == "import_done":
+                self.scheduler.complete_import(msg[1], msg[2])
+            elif kind == "release_export":
+                self.scheduler.release_export(msg[1])
             elif kind == "call":
                 try:
                     msg[2].set_result(msg[1]())

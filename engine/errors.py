@@ -43,3 +43,7 @@ class OutOfMemoryError(EngineError, MemoryError):
 
 class EngineDeadError(EngineError, RuntimeError):
     """The engine loop stopped (shutdown or a fatal error)."""
+
+
+class EngineAbortedError(EngineError, RuntimeError):
+    """The request was aborted (by the caller or the engine) before it produced its result."""

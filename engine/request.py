@@ -55,12 +55,15 @@ class ReqOutput:
     error: Optional[BaseException] = None
     prompt_logprobs: Optional[List[TokenLogprob]] = None
     """Set once, on the first output of a request that asked for them."""
+    handoff: Any = None
+    """Disaggregation (engine.scheduler.handoff): a KVReservation (decode side) or a PrefillHandoff
+    (prefill side); such an output carries no tokens."""
 
 
 class Req:
     def __init__(self, rid: str, input_ids: List[int], params: SamplingParams, seed: int,
                  eos_token_ids: frozenset, on_output: Callable[[ReqOutput], None], detokenizer=None,
-                 stop_matcher=None, wait_for: Optional["Req"] = None, grammar=None):
+                 stop_matcher=None, wait_for: Optional["Req"] = None, grammar=None, handoff: Optional[str] = None):
         self.rid = rid
         self.origin_input_ids = list(input_ids)
         self.output_ids: List[int] = []
@@ -75,6 +78,9 @@ class Req:
         """Another request (the first of an n>1 group) whose prompt must be cached before this one is scheduled."""
         self.grammar = grammar
         """GrammarState (runner/grammar.py) constraining the output, or None; advanced by the OutputProcessor."""
+        self.handoff = handoff
+        """None, or its disaggregation role (engine.scheduler.handoff): "export" computes the prompt and
+        hands its KV and first token over; "import" receives them and decodes."""
         # KV ownership
         self.req_pool_idx: Optional[int] = None
         self.prefix_indices: torch.Tensor = torch.empty(0, dtype=torch.int64)

@@ -29,9 +29,16 @@ class OutputProcessor:
             req.finish_reason = FinishReason.LENGTH
             return
         token = result.next_token_ids[row]
-        req.output_ids.append(token)
+        logprob = None
         if req.sampling_params.logprobs:
-            req.pending_logprobs.append(TokenLogprob(token, result.logprobs[row], result.top_logprobs[row]))
+            logprob = TokenLogprob(token, result.logprobs[row], result.top_logprobs[row])
+        self.append_sampled(req, token, logprob)
+
+    def append_sampled(self, req: Req, token: int, logprob) -> None:
+        """Record a sampled token (and its TokenLogprob when the request asked for logprobs)."""
+        req.output_ids.append(token)
+        if logprob is not None and req.sampling_params.logprobs:
+            req.pending_logprobs.append(logprob)
         if req.grammar is not None:
             self._advance_grammar(req, token)
         req.check_finished(self.context_len)
@@ -80,7 +87,10 @@ class OutputProcessor:
                 out.prompt_logprobs, req.prompt_logprobs_sent = list(req.prompt_logprobs), True
             req.num_emitted = len(req.output_ids)
             req.pending_text, req.pending_logprobs = "", []
-            req.on_output(out)
+            try:
+                req.on_output(out)
+            except Exception:  # noqa: BLE001 - a caller's callback must not stop the engine
+                logger.exception("request %s: on_output callback failed", req.rid)
 
     @staticmethod
     def _flush_held_text(req: Req) -> None:

@@ -19,8 +19,9 @@ from typing import Dict, List, Optional
 
 from engine.forward_batch import ForwardMode
 from engine.memory.kv_cache_manager import KVCacheManager
-from engine.request import FinishReason, Req
+from engine.request import FinishReason, Req, TokenLogprob
 from engine.scheduler.decode import retract_for_decode
+from engine.scheduler.handoff import HandoffState
 from engine.scheduler.output import OutputProcessor
 from engine.scheduler.policy import LPM_MAX_QUEUE, InBatchPrefixIndex, order_waiting_queue
 from engine.scheduler.prefill import PrefillAdder
@@ -41,10 +42,25 @@ class Scheduler:
         self.output = OutputProcessor(context_len)
         self.counters: Dict[str, int] = dict(prompt_tokens=0, cached_tokens=0, generated_tokens=0,
                                              retractions=0, finished=0, aborted=0, prefill_steps=0, decode_steps=0)
+        self.handoff = HandoffState(kv, self.output, self.counters, config.new_token_ratio)
+        """Disaggregation: requests importing or exporting their prompt's KV (never in waiting/running)."""
 
     # ---- inputs --------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
-        self.waiting.append(req)
+        if req.handoff == "import":
+            self.handoff.importing.append(req)
+        else:
+            self.waiting.append(req)
+
+    def complete_import(self, rid: str, handoff) -> None:
+        """Disaggregation, decode side: the prompt's KV of `rid` has landed (see handoff.py)."""
+        req = self.handoff.complete_import(rid, handoff)
+        if req is not None:
+            self.running.append(req)
+
+    def release_export(self, rid: str) -> None:
+        """Disaggregation, prefill side: the transfer of `rid` is over; its KV goes to the radix cache."""
+        self.handoff.release_export(rid)
 
     def abort(self, rid: str) -> None:
         """Mark every request with this rid (or `rid-<i>` children of an n > 1 group) for abort."""
@@ -54,18 +70,20 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req)
+        return bool(self.waiting or self.running or self.chunked_req or self.handoff.importing)
 
     def _all_reqs(self) -> List[Req]:
-        return self.waiting + self.running + ([self.chunked_req] if self.chunked_req else [])
+        return (self.waiting + self.running + ([self.chunked_req] if self.chunked_req else [])
+                + self.handoff.reqs())
 
     # ---- the loop ----------------------------------------------------------------------
     def step(self) -> bool:
         """Run one batch. Returns False when there was nothing to do."""
         self._process_aborts()
+        reserved = bool(self.handoff.importing) and self.handoff.reserve_imports(self.running)
         batch = self._get_new_prefill_batch() or self._get_decode_batch()
         if batch is None:
-            return False
+            return reserved
         batch.prepare(self.kv, self.runner.device)
         result = self.runner.run_batch(batch)
         self._process_batch_result(batch, result)
@@ -79,6 +97,7 @@ class Scheduler:
                 self.running.remove(req)
             if req is self.chunked_req:
                 self.chunked_req = None
+            self.handoff.forget(req)
             self.kv.release(req, cache=False)
             self.counters["aborted"] += 1
             self.output.finish(req, FinishReason.ABORT)
@@ -148,6 +167,9 @@ class Scheduler:
         if batch.chunked_req is not None:
             self.kv.cache_unfinished(batch.chunked_req)
         for i, req in enumerate(batch.sampled_reqs):
+            if req.handoff == "export":
+                self._export(req, result, i)
+                continue
             self.output.append_token(req, result, i)
             self.counters["generated_tokens"] += 1
             if req.finished:
@@ -160,6 +182,14 @@ class Scheduler:
                 self.running.append(req)
         self.output.flush(batch.reqs)
 
+    def _export(self, req: Req, result, row: int) -> None:
+        """Prefill side: hand the computed prompt over instead of decoding it here."""
+        token = result.next_token_ids[row]
+        logprob = None
+        if result.logprobs is not None:
+            logprob = TokenLogprob(token, result.logprobs[row], result.top_logprobs[row])
+        self.handoff.export(req, token, logprob)
+
     # ---- introspection ------------------------------------------------------------------
     def stats(self) -> Dict[str, float]:
         alloc, tree = self.kv.allocator, self.kv.tree
@@ -167,7 +197,8 @@ class Scheduler:
         prompt = self.counters["prompt_tokens"]
         return dict(
             running=len(self.running) + (1 if self.chunked_req else 0),
-            waiting=len(self.waiting),
+            waiting=len(self.waiting) + len(self.handoff.importing),
+            handoff_in_flight=len(self.handoff.awaiting) + len(self.handoff.held),
             kv_total_tokens=alloc.size,
             kv_free_tokens=alloc.available_size(),
             kv_cached_tokens=tree.total_size(),

@@ -1,0 +1,173 @@
+"""Handoff: the scheduler's side of prefill/decode disaggregation (one replica plays one role).
+
+    decode replica (import)                                 prefill replica (export)
+    ───────────────────────                                 ────────────────────────
+    add_import(req)        → importing (waits for memory)
+    reserve_imports()      → match own radix cache, lock it,
+                             allocate [prefix_len, prompt_len)
+                             → awaiting; caller gets a KVReservation ──▶ Engine.prefill_for_handoff
+                                                                         computes the prompt (own radix cache)
+                                                                         export(): first token sampled, KV held
+                                                                         caller gets a PrefillHandoff, moves
+                                                                         pages src → dst (cluster.kv_transfer)
+    complete_import(rid, handoff) → first token appended,  ◀─ handoff ── release_export(rid): KV → radix cache
+                             prompt cached, request joins
+                             the running batch and decodes
+
+Ownership: an awaiting import owns the slots of positions [prefix_len, prompt_len) (kv_len is set
+to prompt_len at reservation, so an abort frees exactly them, with `cache=False`: their content is
+not trusted until complete_import). A held export owns its row like a running request (its
+computed prefix is shared through the tree, locked) until release_export or an abort. Neither
+kind is ever in `waiting` or `running`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from engine.memory.kv_cache_manager import KVCacheManager
+from engine.request import Req, ReqOutput, TokenLogprob
+from engine.scheduler.output import OutputProcessor
+from engine.scheduler.prefill import reserved_decode_tokens
+
+
+@dataclass(frozen=True)
+class KVReservation:
+    """Decode side → prefill side: where the prompt's KV must be written."""
+    rid: str
+    prompt_len: int
+    prefix_len: int
+    """Positions [0, prefix_len) are already cached on the decode replica (a multiple of page_size)."""
+    dst_pages: List[int]
+    """Decode-pool page ids of positions [prefix_len, prompt_len), in position order."""
+    page_size: int
+    seed: int
+    """The request's sampling seed: the prefill replica samples the first token with it."""
+
+
+@dataclass(frozen=True)
+class PrefillHandoff:
+    """Prefill side → decode side: the computed prompt, while its pages are held."""
+    rid: str
+    prompt_len: int
+    src_pages: List[int]
+    """Prefill-pool page ids of positions [0, prompt_len), in position order."""
+    page_size: int
+    first_token: int
+    first_logprob: Optional[TokenLogprob]
+    """Set when the request asked for logprobs."""
+    prompt_logprobs: Optional[List[TokenLogprob]]
+    """Set when the request asked for prompt logprobs."""
+    cached_tokens: int
+    """Prompt tokens the prefill replica reused from its radix cache."""
+
+    def pages_from(self, prefix_len: int) -> List[int]:
+        """Source pages of positions [prefix_len, prompt_len) (prefix_len a multiple of page_size)."""
+        return self.src_pages[prefix_len // self.page_size:]
+
+
+def _page_ids(kv: KVCacheManager, req: Req, start: int, end: int) -> List[int]:
+    """Page ids holding positions [start, end) of req (start a multiple of the page size)."""
+    ps = kv.page_size
+    slots = kv.req_to_token_pool.read(req.req_pool_idx, end)[start::ps]
+    return (slots // ps).tolist()
+
+
+class HandoffState:
+    def __init__(self, kv: KVCacheManager, output: OutputProcessor, counters: Dict[str, int],
+                 new_token_ratio: float):
+        self.kv, self.output, self.counters, self.ratio = kv, output, counters, new_token_ratio
+        self.importing: List[Req] = []
+        """Decode side: waiting for destination pages."""
+        self.awaiting: Dict[str, Req] = {}
+        """Decode side: pages reserved, KV in flight."""
+        self.held: Dict[str, Req] = {}
+        """Prefill side: prompt computed, pages held for the transfer."""
+
+    def reqs(self) -> List[Req]:
+        return self.importing + list(self.awaiting.values()) + list(self.held.values())
+
+    def forget(self, req: Req) -> None:
+        """Drop an aborted request from every collection (the caller frees its KV)."""
+        if req in self.importing:
+            self.importing.remove(req)
+        self.awaiting.pop(req.rid, None)
+        self.held.pop(req.rid, None)
+
+    # ---- decode side ----------------------------------------------------------------------
+    def reserve_imports(self, running: List[Req]) -> bool:
+        """Reserve pages for waiting imports, in arrival order, while memory allows (keeping what the
+        running requests are expected to still need). Returns True when one was reserved."""
+        did = False
+        while self.importing:
+            req = self.importing[0]
+            kv = self.kv
+            if kv.req_to_token_pool.available_size() == 0:
+                break
+            prompt_len = len(req.origin_input_ids)
+            budget = kv.available() - sum(reserved_decode_tokens(r, self.ratio) for r in running)
+            need = kv.pages_for(req, prompt_len - kv.match(req)) * kv.page_size
+            if need > budget and running:
+                break
+            kv.admit(req)
+            req.extend_len = prompt_len - req.prefix_len
+            if not kv.ensure_free(kv.pages_for(req, req.extend_len) * kv.page_size) or kv.alloc_extend([req]) is None:
+                kv.release(req, cache=False)
+                break
+            req.kv_len, req.extend_len = prompt_len, 0
+            self.importing.pop(0)
+            self.awaiting[req.rid] = req
+            reservation = KVReservation(req.rid, prompt_len, req.prefix_len,
+                                        _page_ids(kv, req, req.prefix_len, prompt_len), kv.page_size, req.seed)
+            req.on_output(_handoff_output(req, reservation))
+            did = True
+        return did
+
+    def complete_import(self, rid: str, handoff: PrefillHandoff) -> Optional[Req]:
+        """The prompt's KV has landed: append the first token. Returns the request when it goes on
+        decoding (the caller adds it to the running batch); None when it finished or is unknown
+        (aborted meanwhile: its pages are already free)."""
+        req = self.awaiting.pop(rid, None)
+        if req is None:
+            return None
+        self.counters["prompt_tokens"] += req.kv_len
+        self.counters["cached_tokens"] += req.prefix_len
+        req.cached_tokens = handoff.cached_tokens
+        if handoff.prompt_logprobs is not None:
+            req.prompt_logprobs = list(handoff.prompt_logprobs)
+        self.output.append_sampled(req, handoff.first_token, handoff.first_logprob)
+        self.counters["generated_tokens"] += 1
+        if req.finished:
+            self.kv.release(req, cache=True)
+            self.counters["finished"] += 1
+            self.output.flush([req])
+            return None
+        self.kv.cache_unfinished(req)
+        self.output.flush([req])
+        return req
+
+    # ---- prefill side ---------------------------------------------------------------------
+    def export(self, req: Req, token: int, logprob: Optional[TokenLogprob]) -> None:
+        """The prompt of an export request is computed: hold its KV and tell the caller."""
+        prompt_len = len(req.origin_input_ids)
+        self.kv.cache_unfinished(req)  # share the prompt with later requests while the transfer runs
+        self.held[req.rid] = req
+        handoff = PrefillHandoff(
+            req.rid, prompt_len, _page_ids(self.kv, req, 0, prompt_len), self.kv.page_size, token,
+            logprob if req.sampling_params.logprobs else None,
+            list(req.prompt_logprobs) if req.sampling_params.prompt_logprobs is not None else None,
+            req.cached_tokens)
+        req.on_output(_handoff_output(req, handoff))
+
+    def release_export(self, rid: str) -> None:
+        """The transfer is over (done or failed): the held KV goes to the radix cache."""
+        req = self.held.pop(rid, None)
+        if req is None:
+            return
+        self.kv.release(req, cache=True)
+        self.counters["finished"] += 1
+
+
+def _handoff_output(req: Req, handoff) -> ReqOutput:
+    return ReqOutput(req.rid, [], "", [], None, None, len(req.origin_input_ids), req.cached_tokens, 0,
+                     handoff=handoff)
