@@ -17,6 +17,7 @@ benchmarks/results/ naming the hardware.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -63,11 +64,12 @@ def make_workload(args, vocab_size: int) -> List[List[int]]:
     return prompts
 
 
-def run_once(engine_kwargs: Dict, prompts: List[List[int]], output_len: int, warmup: bool = True) -> Dict:
+def run_once(engine_kwargs: Dict, prompts: List[List[int]], output_len: int, warmup: bool = True,
+             temperature: float = 0.0) -> Dict:
     from engine import Engine
 
     with Engine(**engine_kwargs) as engine:
-        params = dict(temperature=0.0, max_new_tokens=output_len, ignore_eos=True)
+        params = dict(temperature=temperature, max_new_tokens=output_len, ignore_eos=True)
         if warmup:
             engine.generate([prompts[0][:16]], dict(params, max_new_tokens=2))
             engine.flush_cache()
@@ -75,13 +77,18 @@ def run_once(engine_kwargs: Dict, prompts: List[List[int]], output_len: int, war
         outs = engine.generate(prompts, params)
         elapsed = time.perf_counter() - start
         stats = engine.stats()
+        backend = engine.runner.attn_backend_name
+        graphs = engine.runner.graph_runner is not None
+    del engine  # unbind the `with` target, then collect the engine's reference cycles: its GPU memory
+    gc.collect()  # goes back before the next run (in this process) sizes its KV pool from free memory
     n_in = sum(len(p) for p in prompts)
     n_out = sum(o.completion_tokens for o in outs)
     cached = sum(o.cached_tokens for o in outs)
     return dict(elapsed_s=elapsed, requests_per_s=len(prompts) / elapsed, input_tok_per_s=n_in / elapsed,
                 output_tok_per_s=n_out / elapsed, total_tok_per_s=(n_in + n_out) / elapsed,
                 cache_hit_rate=cached / n_in, input_tokens=n_in, output_tokens=n_out,
-                retractions=stats["retractions"])
+                retractions=stats["retractions"], kv_total_tokens=stats["kv_total_tokens"],
+                attention_backend=backend, cuda_graphs=graphs)
 
 
 def main() -> None:
@@ -105,6 +112,14 @@ def main() -> None:
     p.add_argument("--chunked-prefill-size", type=int, default=2048)
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy; the vLLM peer (peer_vllm_bench.py) samples at 1.0")
+    p.add_argument("--max-prefill-tokens", type=int, default=16384)
+    p.add_argument("--mem-fraction-static", type=float, default=0.85)
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--no-baseline", action="store_true", help="skip the run without the radix cache")
+    p.add_argument("--baseline-only", action="store_true", help="only the run without the radix cache")
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/offline_<...>.json)")
     args = p.parse_args()
     extra = {}
@@ -115,16 +130,21 @@ def main() -> None:
 
     engine_kwargs = dict(model=args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
                          max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running_requests,
-                         chunked_prefill_size=args.chunked_prefill_size, page_size=args.page_size, **extra)
+                         chunked_prefill_size=args.chunked_prefill_size, page_size=args.page_size,
+                         max_prefill_tokens=args.max_prefill_tokens, mem_fraction_static=args.mem_fraction_static,
+                         attention_backend=args.attention_backend, disable_cuda_graph=args.disable_cuda_graph,
+                         **extra)
     from engine.models.loader import load_config
     from engine.models.source import resolve_model
 
     vocab = int(load_config(resolve_model(args.model)).vocab_size)
     prompts = make_workload(args, vocab)
-    runs = {
-        "radix_cache": run_once(engine_kwargs, prompts, args.output_len),
-        "no_cache (baseline)": run_once(dict(engine_kwargs, disable_radix_cache=True), prompts, args.output_len),
-    }
+    runs = {}
+    if not args.baseline_only:
+        runs["radix_cache"] = run_once(engine_kwargs, prompts, args.output_len, temperature=args.temperature)
+    if not args.no_baseline:
+        runs["no_cache (baseline)"] = run_once(dict(engine_kwargs, disable_radix_cache=True), prompts,
+                                               args.output_len, temperature=args.temperature)
     hw = hardware()
     print(f"\n{args.workload}: {len(prompts)} prompts, {args.output_len} output tokens each; "
           f"{hw.get('gpu', hw['cpu'])}")
@@ -133,8 +153,10 @@ def main() -> None:
     print(f"{'run':<22}" + "".join(f"{c:>18}" for c in cols))
     for name, r in runs.items():
         print(f"{name:<22}" + "".join(f"{r[c]:>18.3f}" for c in cols))
-    speedup = runs["radix_cache"]["total_tok_per_s"] / runs["no_cache (baseline)"]["total_tok_per_s"]
-    print(f"speedup from the radix cache: {speedup:.2f}x")
+    speedup = None
+    if len(runs) == 2:
+        speedup = runs["radix_cache"]["total_tok_per_s"] / runs["no_cache (baseline)"]["total_tok_per_s"]
+        print(f"speedup from the radix cache: {speedup:.2f}x")
 
     os.makedirs(RESULTS, exist_ok=True)
     tag = (hw.get("gpu") or "cpu").replace(" ", "-")

@@ -308,7 +308,8 @@ def plot(results: List[Result], path: str, title: str) -> Optional[str]:
     return path
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The load generator's options (also used by bench_policies.py)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="Server root (without /v1).")
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
@@ -333,7 +334,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--label", default="", help="Free text stored in the JSON (server, hardware, policy).")
     p.add_argument("--out", default=None, help="JSON path; default benchmarks/results/serving_<dataset>.json.")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    args = build_parser().parse_args(argv)
 
     sessions = make_workload(args)
     before = server_cache_counters(args.base_url, args.api_key)

@@ -17,6 +17,11 @@ Data flow (unified mode) and who owns each stage:
         membership ◀── membership.py (the worker replica set Serve's controller broadcasts to the
                        router's handle); dead replicas are purged from the trees
         Worker.report() ◀── queue length, KV usage, drained radix-cache events → tree replay
+        PoolScaler (scaling.py) ── each pool's target size from LLM signals (waiting, KV usage,
+                       TTFT / ITL from latency.py) and the operator's settings ─▶ Serve follows it
+                       through a custom autoscaling policy (scaling_policy.py); drains replicas
+    Admin API + dashboard (admin.py, dashboard/, models in scaling_models.py) on the ingress,
+    behind the admin key ─▶ RouterDeployment.admin_* ─▶ PoolScaler
 
 Token streams go worker → ingress, never through the router. Aborts: a client disconnect
 closes the backend stream, which cancels the Ray generator; Serve cancels the worker's

@@ -6,10 +6,16 @@
 
 Deployments (one application):
 
+    mode=unified (default)
     Ingress  (ingress_replicas)  HTTP, FastAPI routes of serving/, tokenizes once
-      ├─▶ Router (1 replica)      ClusterState + policy; polls workers; /router/stats
+      ├─▶ Router (1 replica)      ClusterState + policy per pool; polls workers; /router/stats
       └─▶ Worker (workers)        one engine.Engine each; calls pinned by PinnedRequestRouter
     Router ─▶ Worker (reports, membership)
+
+    mode=disaggregated                                      (cluster/disaggregated.py)
+    Ingress ─▶ Router.route_pair ─▶ (prefill replica, decode replica)
+    Ingress ─▶ Decode (decode_workers) ─▶ Prefill (prefill_workers): KV pages written into the
+               decode replica's pool through cluster.kv_transfer (nixl | nccl), then decode streams
 
 No `from __future__ import annotations` in this module: Serve validates the builder's argument
 with the annotated pydantic model only when the annotation is a real class (RAY_SERVE_NOTES §6).
@@ -22,8 +28,11 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from cluster.config import ClusterArgs
+from engine.errors import InvalidConfigError
+from cluster.disaggregated import DecodeWorker, PrefillWorker
 from cluster.ingress import Ingress
 from cluster.router.router import RouterDeployment
+from cluster.scaling_policy import deployment_options, scaling_config
 from cluster.worker import Worker
 
 logger = logging.getLogger("ray.serve")
@@ -39,29 +48,50 @@ def _gpus_per_worker(args) -> float:
     return 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
 
 
-def deployment(args: ClusterArgs) -> Application:
-    """Build the unified-pool application from validated ClusterArgs."""
-    if isinstance(args, dict):  # Python callers may pass a plain dict
-        args = ClusterArgs.model_validate(args)
-    num_gpus = _gpus_per_worker(args)
-    worker = serve.deployment(Worker).options(
-        name="Worker", num_replicas=args.workers, max_ongoing_requests=args.max_ongoing_requests,
+def _pool_deployment(cls, name: str, pool: str, args: ClusterArgs, num_gpus: float, scaling):
+    """A worker pool's Serve deployment: pinned routing, health checks, its own (auto)scaling."""
+    return serve.deployment(cls).options(
+        name=name, **deployment_options(scaling, pool), max_ongoing_requests=args.max_ongoing_requests,
         ray_actor_options={"num_cpus": args.num_cpus, "num_gpus": num_gpus},
         request_router_config=RequestRouterConfig(request_router_class=PINNED_ROUTER),
         health_check_period_s=args.health_check_period_s, health_check_timeout_s=60,
-        graceful_shutdown_timeout_s=5, logging_config={"enable_access_log": args.worker_access_log},
-    ).bind(args.model, args.engine_options())
+        graceful_shutdown_timeout_s=5, logging_config={"enable_access_log": args.worker_access_log})
+
+
+def _check_transfer(args: ClusterArgs, num_gpus: float) -> None:
+    if args.kv_transfer == "nccl" and num_gpus <= 0:
+        raise InvalidConfigError("kv_transfer=nccl needs GPU workers (num_gpus > 0); use kv_transfer=nixl on CPU")
+
+
+def deployment(args: ClusterArgs) -> Application:
+    """Build the application from validated ClusterArgs: a unified pool, or prefill + decode pools."""
+    if isinstance(args, dict):  # Python callers may pass a plain dict
+        args = ClusterArgs.model_validate(args)
+    num_gpus = _gpus_per_worker(args)
+    scaling = scaling_config(args)  # pool sizes: the router's PoolScaler, followed by Serve (scaling_policy.py)
+    if args.mode == "unified":
+        worker = _pool_deployment(Worker, "Worker", "unified", args, num_gpus, scaling).bind(
+            args.model, args.engine_options())
+        pools = {"unified": worker}
+    else:
+        _check_transfer(args, num_gpus)
+        prefill = _pool_deployment(PrefillWorker, "Prefill", "prefill", args, num_gpus, scaling).bind(
+            args.model, args.engine_options(), args.kv_transfer, args.kv_transfer_timeout_s)
+        worker = _pool_deployment(DecodeWorker, "Decode", "decode", args, num_gpus, scaling).bind(
+            args.model, args.engine_options(), prefill, args.kv_transfer, args.kv_transfer_timeout_s)
+        pools = {"prefill": prefill, "decode": worker}
     router_config = dict(cache_threshold=args.cache_threshold, balance_abs_threshold=args.balance_abs_threshold,
                          balance_rel_threshold=args.balance_rel_threshold, max_tree_tokens=args.max_tree_tokens,
                          page_size=args.page_size, prefix_hash_tokens=args.prefix_hash_tokens)
     router = serve.deployment(RouterDeployment).options(
         name="Router", num_replicas=1, max_ongoing_requests=4096,
         ray_actor_options={"num_cpus": args.router_num_cpus},
-    ).bind(worker, args.policy, router_config, args.report_interval_s)
+    ).bind(pools, args.policy, router_config, args.report_interval_s, scaling=scaling)
     ingress = serve.deployment(Ingress).options(
         name="Ingress", num_replicas=args.ingress_replicas, max_ongoing_requests=args.ingress_max_ongoing_requests,
         ray_actor_options={"num_cpus": args.ingress_num_cpus},
-    ).bind(router, worker, args.model, args.model_name(), args.api_key, args.max_body_bytes)
-    logger.info("radixserve: %d worker(s) of %s, policy %s, %.2g GPU(s) per worker",
-                args.workers, args.model_name(), args.policy, num_gpus)
+    ).bind(router, worker, args.model, args.model_name(), args.api_key, args.max_body_bytes,
+           admin_api_key=args.admin_api_key, mode=args.mode, tokenizer_source=args.tokenizer)
+    logger.info("radixserve: %s mode, pools %s of %s, policy %s, %.2g GPU(s) per worker", args.mode,
+                args.pool_sizes(), args.model_name(), args.policy, num_gpus)
     return ingress

@@ -14,6 +14,7 @@ when it is a real class (RAY_SERVE_NOTES §6).
 """
 import dataclasses
 import json
+import os
 import typing
 from typing import Any, Dict, Literal, Optional
 
@@ -106,10 +107,11 @@ class _ClusterFields(BaseModel):
     ingress_max_ongoing_requests: int = Field(512, ge=1, description="Concurrent HTTP requests one ingress "
                                               "replica accepts before Serve queues them.")
     api_key: Optional[str] = Field(None, description="When set, /v1/* and /generate need 'Authorization: Bearer "
-                                   "<api_key>'.")
+                                   "<api_key>'. Default: $RADIXSERVE_API_KEY when set.")
     admin_api_key: Optional[str] = Field(None, description="Key of the admin API (/admin/*) and the dashboard "
                                          "(/dashboard): 'Authorization: Bearer <admin_api_key>'. Must differ from "
-                                         "api_key. Unset: admin routes answer 401.")
+                                         "api_key. Default: $RADIXSERVE_ADMIN_KEY when set; unset: admin "
+                                         "routes answer 401.")
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Request bodies larger than this get a 413.")
     worker_access_log: bool = Field(False, description="Log every call to a worker replica (generate, and the "
                                     "router's report polls several times a second).")
@@ -136,7 +138,22 @@ _DISAGGREGATED_ONLY = ("prefill_workers", "decode_workers", "kv_transfer", "kv_t
                        "prefill_autoscaling", "decode_autoscaling")
 
 
+KEY_ENV_VARS = {"api_key": "RADIXSERVE_API_KEY", "admin_api_key": "RADIXSERVE_ADMIN_KEY"}
+"""Environment fallbacks of the two keys: Serve config args are literal, so Kubernetes Secrets reach
+ClusterArgs as pod environment variables (helm/radixserve)."""
+
+
 class _Validated(_ClusterFields):
+    @model_validator(mode="before")
+    @classmethod
+    def _keys_from_env(cls, data: Any) -> Any:
+        """api_key / admin_api_key not given (or null) are read from KEY_ENV_VARS when set and non-empty."""
+        if isinstance(data, dict):
+            for field, var in KEY_ENV_VARS.items():
+                if data.get(field) is None and os.environ.get(var):
+                    data = {**data, field: os.environ[var]}
+        return data
+
     @field_validator("autoscaling", "prefill_autoscaling", "decode_autoscaling", mode="before")
     @classmethod
     def _json_object(cls, value: Any) -> Any:
@@ -174,12 +191,13 @@ class _Validated(_ClusterFields):
             EngineConfig.from_kwargs(model=self.model, enable_cache_events=True, **self.engine_options())
         except InvalidConfigError as exc:
             raise ValueError(f"invalid engine option: {exc}") from None
-        if self.model is not None:
-            from engine.models.source import resolve_model  # file checks only, no weights read
-            try:
-                resolve_model(self.model)
-            except Exception as exc:  # noqa: BLE001 - ModelNotFoundError and friends
-                raise ValueError(str(exc)) from None
+        from engine.models.source import resolve_model  # file checks only, no weights read
+        for name in ("model", "tokenizer"):
+            if getattr(self, name) is not None:
+                try:
+                    resolve_model(getattr(self, name))
+                except Exception as exc:  # noqa: BLE001 - ModelNotFoundError and friends
+                    raise ValueError(f"{name}: {exc}") from None
         return self
 
     def engine_options(self) -> Dict[str, Any]:

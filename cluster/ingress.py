@@ -23,6 +23,7 @@ from prometheus_client.core import GaugeMetricFamily
 from ray import serve
 from ray.exceptions import RayTaskError
 
+from cluster.latency import RequestClock
 from cluster.router.policies import NoWorkersError
 from serving.backend import ServingBackend
 from serving.errors import APIError
@@ -65,8 +66,10 @@ class ClusterBackend(ServingBackend):
         gen = self.workers.options(stream=True, session_id=decision.worker_id).generate.remote(
             input_ids, params, rid)
         self._active[rid] = gen
+        clock = RequestClock()
         try:
             async for chunk in gen:
+                clock.on_chunk(chunk)
                 for out in chunk:
                     yield out
         except RayTaskError as exc:
@@ -74,10 +77,10 @@ class ClusterBackend(ServingBackend):
         finally:
             if self._active.pop(rid, None) is not None:
                 gen.cancel()
-            self._finish(decision.worker_id)
+            self._finish(decision.worker_id, timing=clock.timing())
 
-    def _finish(self, worker_id: str) -> None:
-        task = asyncio.ensure_future(self.router.finish.remote(worker_id))
+    def _finish(self, worker_id: str, timing: Any = None) -> None:
+        task = asyncio.ensure_future(self.router.finish.remote(worker_id, timing=timing))
         self._finishing.add(task)
         task.add_done_callback(self._finishing.discard)
 
@@ -135,7 +138,7 @@ class WorkerGauges:
             g = GaugeMetricFamily(name, doc, labels=labels)
             for wid, w in (s.workers.items() if s is not None else ()):
                 value = w.engine.get(key, 0.0) if (key, name, doc) in self._GAUGES else getattr(w, key)
-                g.add_metric([self.model_name, "unified", wid], float(value))
+                g.add_metric([self.model_name, w.pool, wid], float(value))
             families.append(g)
         lat = GaugeMetricFamily("radixserve_router_decision_latency_ms", "Routing decision time in the router.",
                                 labels=["quantile"])
@@ -150,22 +153,30 @@ class Ingress:
     """The HTTP entry point; routes come from serving.build_app (no protocol code here)."""
 
     async def __init__(self, router, workers, model: Optional[str], model_name: str,
-                   api_key: Optional[str], max_body_bytes: int):
+                   api_key: Optional[str], max_body_bytes: int, admin_api_key: Optional[str] = None,
+                   mode: str = "unified", tokenizer_source: Optional[str] = None):
+        """`workers`: the unified pool's handle, or the decode pool's (mode="disaggregated")."""
         from engine.models.source import resolve_model
         from engine.tokenizer import load_tokenizer
 
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.model_name, self.api_key, self.max_body_bytes = model_name, api_key, max_body_bytes
-        tokenizer = await asyncio.to_thread(load_tokenizer, resolve_model(model))
+        self.admin_api_key = admin_api_key
+        tokenizer = await asyncio.to_thread(load_tokenizer, resolve_model(tokenizer_source or model))
         info = await asyncio.wait_for(workers.info.remote(), 600)  # waits for a first worker to be up
-        self.backend = ClusterBackend(router, workers, tokenizer, info.context_len, info.vocab_size)
+        backend_cls = ClusterBackend
+        if mode == "disaggregated":
+            from cluster.disaggregated import DisaggregatedBackend as backend_cls
+        self.backend = backend_cls(router, workers, tokenizer, info.context_len, info.vocab_size)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
+        from cluster.admin import install_admin
         from serving.app import build_app
 
         app = build_app(self.backend, api_key=self.api_key, model_name=self.model_name,
                         max_body_bytes=self.max_body_bytes, title="radixserve cluster")
         app.state.serving.metrics.registry.register(WorkerGauges(self.backend, self.model_name))
+        install_admin(app, self.backend.router, self.admin_api_key, self.model_name)  # /admin, /dashboard
         backend, replica_id = self.backend, self.replica_id
 
         @app.get("/router/stats")

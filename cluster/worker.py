@@ -55,13 +55,20 @@ class Worker:
 
     async def generate(self, input_ids: List[int], params: Any, rid: str) -> AsyncIterator[List[Any]]:
         """Stream the request's outputs: lists of engine.StreamOutput (see the module docstring)."""
+        async for batch in self._stream(input_ids, params, rid):
+            yield batch
+
+    async def _stream(self, input_ids: List[int], params: Any, rid: str,
+                      remote_prefill: Any = None) -> AsyncIterator[List[Any]]:
+        """engine.generate_stream, coalesced into one list per message (remote_prefill: see Engine)."""
         self._served.append(rid)
         queue: asyncio.Queue = asyncio.Queue()
         done = object()
 
         async def pump() -> None:
             try:
-                async for out in self.engine.generate_stream(input_ids, params, rid=rid):
+                async for out in self.engine.generate_stream(input_ids, params, rid=rid,
+                                                             remote_prefill=remote_prefill):
                     queue.put_nowait(out)
                 queue.put_nowait(done)
             except Exception as exc:  # noqa: BLE001 - re-raised in the consumer

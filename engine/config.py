@@ -10,6 +10,7 @@ from engine.errors import InvalidConfigError
 LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
 SchedulePolicy = Literal["lpm", "fcfs"]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "flashinfer", "triton", "torch_native")
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,10 @@ class EngineConfig:
     schedule_policy: SchedulePolicy = field(default="lpm", metadata={"help": "Waiting-queue order: lpm | fcfs."})
     disable_radix_cache: bool = field(default=False, metadata={"help": "Turn prefix caching off."})
     context_length: Optional[int] = field(default=None, metadata={"help": "Override the model's context length."})
-    attention_backend: str = field(default="auto", metadata={"help": "torch_native | auto."})
+    attention_backend: str = field(default="auto", metadata={"help": "auto | flashinfer | triton | torch_native. auto: flashinfer on CUDA for bf16/fp16 (triton when flashinfer is missing or for float32), torch_native on CPU."})
+    disable_cuda_graph: bool = field(default=False, metadata={"help": "Run decode eagerly instead of replaying captured CUDA graphs (CUDA only)."})
+    cuda_graph_max_bs: Optional[int] = field(default=None, metadata={"help": "Largest decode batch captured as a CUDA graph (graphs at powers of two up to it; larger batches run eagerly). Default: max_running_requests, at most 256."})
+    tokenizer: Optional[str] = field(default=None, metadata={"help": "Tokenizer source (HF folder or .gguf file) when it is not the model's own, e.g. for dummy weights of an architecture config; default: the model's."})
     skip_tokenizer_init: bool = field(default=False, metadata={"help": "No tokenizer: prompts must be token ids and outputs carry no text (benchmarks on dummy weights)."})
     enable_cache_events: bool = field(default=False, metadata={"help": "Record radix-cache insert/evict events for a router (drain them with Engine.drain_cache_events)."})
     random_seed: int = field(default=0, metadata={"help": "Seed for dummy weights and unseeded sampling."})
@@ -60,6 +64,10 @@ class EngineConfig:
         check(self.load_format in ("auto", "safetensors", "gguf", "dummy"), f"unknown load_format {self.load_format!r}")
         check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         check(self.context_length is None or self.context_length >= 2, f"context_length must be >= 2, got {self.context_length}")
+        check(self.attention_backend in ATTENTION_BACKENDS,
+              f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        check(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,
+              f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional, Sequence, Union
 
 from engine.config import EngineConfig
-from engine.errors import (EngineAbortedError, EngineDeadError, InvalidRequestError, PromptTooLongError,
+from engine.errors import (EngineAbortedError, EngineDeadError, InvalidConfigError, InvalidRequestError, PromptTooLongError,
                            QueueFullError)
 from engine.memory.kv_cache_manager import KVCacheManager
 from engine.memory.radix_cache import RadixCache
@@ -116,8 +116,12 @@ class Engine:
     def __init__(self, model: Optional[str] = None, **config: Any):
         self.config = EngineConfig.from_kwargs(model=model, **config)
         self.source = resolve_model(model)
-        self.tokenizer = None if self.config.skip_tokenizer_init else load_tokenizer(self.source)
+        self.tokenizer = None if self.config.skip_tokenizer_init else load_tokenizer(
+            resolve_model(self.config.tokenizer) if self.config.tokenizer else self.source)
         self.runner = ModelRunner(self.config, self.source)
+        if self.tokenizer is not None and len(self.tokenizer.hf) > self.runner.vocab_size:
+            raise InvalidConfigError(f"the tokenizer has {len(self.tokenizer.hf)} tokens, more than the model's "
+                                     f"vocabulary ({self.runner.vocab_size}): give a matching `tokenizer`")
         self._init_tokens()
         self._init_scheduler()
         self._init_loop()

@@ -69,15 +69,21 @@ class ForwardBatch:
             starts.append(acc)
             acc += n
 
-        def t(x: List[int]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True)
-
+        # One host tensor, one host-to-device copy; the fields are views into it.
+        parts = [input_ids, positions, req_pool_indices, seq_lens, prefix_lens, extend_lens, starts]
+        sizes = [len(part) for part in parts]
+        host = torch.tensor([x for part in parts for x in part], dtype=torch.int64)
+        loc_on_host = out_cache_loc.device.type == "cpu"
+        if loc_on_host:
+            host = torch.cat([host, out_cache_loc.reshape(-1).to(torch.int64)])
+            sizes.append(out_cache_loc.numel())
+        fields = host.to(device, non_blocking=True).split(sizes)
+        loc = fields[7] if loc_on_host else out_cache_loc.to(device=device, dtype=torch.int64)
         return cls(
             forward_mode=mode, batch_size=len(seq_lens),
-            input_ids=t(input_ids), positions=t(positions),
-            out_cache_loc=out_cache_loc.to(device=device, dtype=torch.int64),
-            req_pool_indices=t(req_pool_indices), seq_lens=t(seq_lens),
-            extend_prefix_lens=t(prefix_lens), extend_seq_lens=t(extend_lens), extend_start_loc=t(starts),
+            input_ids=fields[0], positions=fields[1], out_cache_loc=loc,
+            req_pool_indices=fields[2], seq_lens=fields[3],
+            extend_prefix_lens=fields[4], extend_seq_lens=fields[5], extend_start_loc=fields[6],
             seq_lens_cpu=list(seq_lens), extend_prefix_lens_cpu=list(prefix_lens), extend_seq_lens_cpu=extend_lens,
             extend_start_loc_cpu=starts,
         )

@@ -5,6 +5,8 @@ import os
 
 import pytest
 
+from pools_harness import pytest_runtest_teardown  # noqa: F401 - stops the pool tests' shared cluster
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

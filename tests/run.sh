@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/install.sh test
+bash tests/install_browser.sh  # Debian's chromium for the dashboard test, when missing
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 set +e
 "${RADIXSERVE_VENV:-.venv}/bin/python" -m pytest "$@"

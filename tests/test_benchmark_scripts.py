@@ -20,7 +20,8 @@ def run_script(name, *args):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
-@pytest.mark.parametrize("name", ["bench_offline.py", "bench_serving.py", "bench_overhead.py", "bench_router.py"])
+@pytest.mark.parametrize("name", ["bench_offline.py", "bench_serving.py", "bench_overhead.py", "bench_router.py",
+                                  "bench_kv_transfer.py", "bench_decode.py"])
 def test_help(name):
     proc = run_script(name, "--help")
     assert proc.returncode == 0, proc.stderr

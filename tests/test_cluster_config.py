@@ -56,7 +56,9 @@ def test_builder_wires_three_deployments():
     router, worker = ingress.init_args[0], ingress.init_args[1]
     assert router._bound_deployment.name == "Router" and worker._bound_deployment.name == "Worker"
     wd = worker._bound_deployment
-    assert wd.num_replicas == 3 and wd.ray_actor_options["num_cpus"] == 0.5
+    auto = wd._deployment_config.autoscaling_config  # pool size: the app's PoolScaler, Serve follows it
+    assert auto.initial_replicas == 3 and auto.policy.policy_function.endswith("FollowPoolTarget")
+    assert wd.ray_actor_options["num_cpus"] == 0.5
     assert wd._deployment_config.request_router_config.request_router_class.endswith("PinnedRequestRouter")
     assert router._bound_deployment.init_args[1] == "prefix_hash"
 

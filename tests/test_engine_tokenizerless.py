@@ -65,3 +65,21 @@ def test_context_is_capped_at_a_sliding_window(tmp_path):
         assert engine.context_len == 64
         out = engine.generate([[1, 2, 3]], dict(temperature=0, max_new_tokens=100, ignore_eos=True))[0]
         assert out.finish_reason == "length" and 3 + out.completion_tokens == 64
+
+
+def test_tokenizer_option_gives_dummy_weights_a_tokenizer(tmp_path):
+    """`tokenizer=` lends another model's tokenizer (here the default model's) to dummy weights of an
+    architecture config; a tokenizer larger than the model's vocabulary is refused at start-up."""
+    from engine import InvalidConfigError
+
+    config = dict(TINY, vocab_size=49152, model_type="llama", architectures=["LlamaForCausalLM"])
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with make_engine(model=str(tmp_path), load_format="dummy", tokenizer="SmolLM2-135M-Instruct",
+                     max_total_tokens=1024) as engine:
+        out = engine.generate("Hello there", dict(max_new_tokens=5, ignore_eos=True))
+        assert out.completion_tokens == 5 and out.prompt_tokens == len(engine.tokenizer.encode("Hello there"))
+        assert_no_leak(engine)
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, vocab_size=300)))
+    with pytest.raises(InvalidConfigError, match="vocabulary"):
+        make_engine(model=str(tmp_path), load_format="dummy", tokenizer="SmolLM2-135M-Instruct",
+                    max_total_tokens=1024)

@@ -1,14 +1,21 @@
 """RouterDeployment: the single-replica Serve deployment that owns routing state.
 
-    ingress ──route(input_ids, rid)──▶ Router.route (policy + ClusterState) ──▶ RoutingDecision
-    ingress ──finish(worker_id)──────▶ in-flight -= 1
-    control loop, every report_interval_s:
+One Router (policy + ClusterState of approximate trees) per worker pool: `unified` in unified
+mode, `prefill` and `decode` in disaggregated mode.
+
+    ingress ──route(input_ids, rid)──────▶ the unified pool's Router ──▶ RoutingDecision
+    ingress ──route_pair(input_ids, rid)─▶ prefill Router + decode Router ──▶ PairDecision
+    ingress ──finish(worker_id, pool, timing)─▶ in-flight -= 1; TTFT / ITL to the scaler
+    control loop, every report_interval_s, for each pool:
         membership  ◀── cluster.membership.members(): the worker replica set this process's handle
                         hears from the Serve controller (joiners start empty, leavers are purged)
         reports     ◀── Worker.report(), pinned to each member: queue length, KV usage, cache
                         events (replayed onto that worker's tree); a call failing because the
                         actor died purges the worker at once
+        scaler      ──▶ PoolScaler.step() (cluster/scaling.py): pool sizes from LLM signals and the
+                        operator's settings; drained replicas are left out of the routing set
     ingress ──stats()──▶ ClusterStats (GET /router/stats, /metrics)
+    ingress ──admin_*()──▶ PoolScaler (GET/POST /admin/*, cluster/admin.py)
 
 One replica, one event loop: ClusterState is not thread-safe and every method here runs on the
 replica's loop. Token streams never pass through here.
@@ -17,6 +24,7 @@ import asyncio
 import collections
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from pydantic import BaseModel, Field
@@ -24,7 +32,11 @@ from ray.exceptions import ActorDiedError
 
 from cluster import membership
 from cluster.router.policies import NoWorkersError, Router, RoutingDecision
+from cluster.latency import RequestTiming
 from cluster.router.state import RouterConfig
+from cluster.scaling import PoolScaler
+from cluster.scaling_models import AdminError, ClusterPools, PoolStatus, ReplicaStatus, ScaleRequest
+from cluster.scaling_policy import ScalingConfig
 
 logger = logging.getLogger("ray.serve")
 
@@ -32,8 +44,16 @@ _MEMBERSHIP_WAIT_S = 60.0
 """route() waits this long for a first worker before raising NoWorkersError."""
 
 
+@dataclass(frozen=True)
+class PairDecision:
+    """Disaggregated mode: where a request prefills and where it decodes."""
+    prefill: RoutingDecision
+    decode: RoutingDecision
+
+
 class WorkerView(BaseModel):
     """One worker in ClusterStats."""
+    pool: str = Field("unified", description="The worker's pool: unified, prefill or decode.")
     tree_tokens: int = Field(description="Tokens in the router's approximate tree of this worker.")
     tree_nodes: int
     routed_requests: int = Field(description="Requests routed here since it joined.")
@@ -51,127 +71,217 @@ class ClusterStats(BaseModel):
     policy: str
     workers: Dict[str, WorkerView]
     routed_requests: int
-    cache_hit_rate: float = Field(description="Cached / prompt tokens over the live workers' engines.")
+    cache_hit_rate: float = Field(description="Cached / prompt tokens over the live workers' engines that compute "
+                                  "prompts (unified and prefill pools).")
     route_latency_ms: Dict[str, float] = Field(description="Policy decision time in the router: p50, p99, max "
                                                          "over the last 4096 decisions.")
     membership_changes: int
     purged_workers: List[str] = Field(description="Recently purged worker replica ids (newest last).")
 
 
+@dataclass
+class _Pool:
+    """One worker pool as the router deployment tracks it."""
+    name: str
+    handle: Any
+    """DeploymentHandle of the pool's Serve deployment (calls pinned by session_id)."""
+    router: Router
+    deployment_id: Any
+    members_version: int = -1
+    engine_stats: Dict[str, Dict[str, float]] = field(default_factory=dict)
+    """worker id → its last engine.stats()."""
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set while the pool has at least one worker."""
+
+
 class RouterDeployment:
-    async def __init__(self, workers, policy: str, router_config: Dict[str, Any], report_interval_s: float = 0.5):
-        self.workers = workers
-        self.router = Router(policy, RouterConfig(**router_config))
+    async def __init__(self, pools: Dict[str, Any], policy: str, router_config: Dict[str, Any],
+                       report_interval_s: float = 0.5, scaling: Optional[ScalingConfig] = None):
+        """`pools`: pool name → DeploymentHandle of its workers ({"unified": h} or {"prefill": p, "decode": d}).
+        `scaling`: pool sizing (cluster/scaling.py); None: pools keep their size, no admin API."""
         self.policy = policy
         self.report_interval_s = report_interval_s
+        self.pools: Dict[str, _Pool] = {}
+        for name, handle in pools.items():
+            self.pools[name] = _Pool(name, handle, Router(policy, RouterConfig(**router_config)),
+                                     handle.deployment_id)
+            handle._init()  # start hearing the pool's replica set now (pinning → membership)
         self._latency_ms: collections.deque = collections.deque(maxlen=4096)
         self._decisions: "collections.OrderedDict[str, str]" = collections.OrderedDict()
-        self._engine_stats: Dict[str, Dict[str, float]] = {}
         self._purged: collections.deque = collections.deque(maxlen=64)
-        self._members_version = -1
         self._membership_changes = 0
-        self._members_ready = asyncio.Event()
-        self._deployment_id = workers.deployment_id
-        workers._init()  # start hearing the worker replica set now (pinning.members)
+        self.scaler = PoolScaler.in_replica(scaling, self.pools) if scaling is not None else None
         self._loop_task = asyncio.get_running_loop().create_task(self._control_loop())
 
     # --- requests from the ingress -------------------------------------------------------------
 
-    async def route(self, input_ids: List[int], rid: Optional[str] = None) -> RoutingDecision:
-        self._sync_members()
-        if not self.router.state.workers:
-            try:
-                await asyncio.wait_for(self._members_ready.wait(), _MEMBERSHIP_WAIT_S)
-            except asyncio.TimeoutError:
-                raise NoWorkersError("no worker replica is running") from None
-            self._sync_members()
-        start = time.perf_counter()
-        decision = self.router.route(input_ids)
-        self._latency_ms.append((time.perf_counter() - start) * 1e3)
+    async def route(self, input_ids: List[int], rid: Optional[str] = None, pool: str = "unified") -> RoutingDecision:
+        """Choose a worker of `pool` for a prompt; record it as in flight there."""
+        decision = await self._route_in(self._pool(pool), input_ids)
         if rid is not None:
-            self._decisions[rid] = decision.worker_id
-            if len(self._decisions) > 4096:
-                self._decisions.popitem(last=False)
+            self._remember(rid, decision.worker_id)
         return decision
 
-    def finish(self, worker_id: str) -> None:
-        self.router.finish(worker_id)
+    async def route_pair(self, input_ids: List[int], rid: Optional[str] = None) -> PairDecision:
+        """Disaggregated mode: a prefill worker (cache-aware over the prefill trees) and a decode worker
+        (cache-aware over the decode trees, so multi-turn conversations return to their KV; by load
+        otherwise). Both are in flight until finish()."""
+        prefill = await self._route_in(self._pool("prefill"), input_ids)
+        try:
+            decode = await self._route_in(self._pool("decode"), input_ids)
+        except BaseException:
+            self.finish(prefill.worker_id, "prefill")
+            raise
+        if rid is not None:
+            self._remember(rid, f"{prefill.worker_id}>{decode.worker_id}")
+        return PairDecision(prefill, decode)
+
+    def report_dead(self, worker_id: str, pool: str) -> None:
+        """A caller saw `worker_id` die: purge it now and keep it out until the controller drops it."""
+        p = self.pools.get(pool)
+        if p is not None:
+            self._purge(p, worker_id, "reported dead by a caller")
+            membership.mark_dead(p.deployment_id, worker_id)
+
+    def finish(self, worker_id: str, pool: str = "unified", timing: Optional[RequestTiming] = None) -> None:
+        """The request left `worker_id`; `timing` (the ingress's TTFT / ITL) feeds the pool scaler."""
+        p = self.pools.get(pool)
+        if p is not None:
+            p.router.finish(worker_id)
+        if self.scaler is not None:
+            self.scaler.observe(pool, timing)
+
+    # --- admin API (cluster/admin.py → PoolScaler) ---------------------------------------------
+
+    def _scaling(self) -> PoolScaler:
+        if self.scaler is None:
+            raise AdminError(503, "pool scaling is not configured in this application")
+        return self.scaler
+
+    def admin_status(self, history: bool = False) -> ClusterPools:
+        return self._scaling().status(history)
+
+    def admin_pool(self, pool: str, history: bool = False) -> PoolStatus:
+        return self._scaling().pool_status(pool, history)
+
+    async def admin_scale(self, pool: str, request: ScaleRequest) -> PoolStatus:
+        return await self._scaling().scale(pool, request)
+
+    def admin_drain(self, replica_id: str, remove: bool = False) -> ReplicaStatus:
+        return self._scaling().drain(replica_id, remove)
+
+    def admin_undrain(self, replica_id: str) -> ReplicaStatus:
+        return self._scaling().undrain(replica_id)
 
     def decisions(self) -> Dict[str, str]:
-        """rid → worker replica id of the last 4096 routed requests that named a rid."""
+        """rid → worker replica id (disaggregated: "prefill_id>decode_id") of the last 4096 routed
+        requests that named a rid."""
         return dict(self._decisions)
 
     def stats(self) -> ClusterStats:
-        self._sync_members()
-        state = self.router.state
         views = {}
-        for wid, s in state.stats().items():
-            views[wid] = WorkerView(tree_tokens=s.tree_tokens, tree_nodes=s.tree_nodes,
-                                    routed_requests=s.routed_requests, routed_tokens=s.routed_tokens,
-                                    matched_tokens=s.matched_tokens, in_flight=s.in_flight, queue_len=s.queue_len,
-                                    kv_usage=s.kv_usage, load=s.load,
-                                    events_applied=state.workers[wid].events_applied,
-                                    engine=self._engine_stats.get(wid, {}))
-        prompt = sum(v.engine.get("prompt_tokens", 0) for v in views.values())
-        cached = sum(v.engine.get("cached_tokens", 0) for v in views.values())
+        for p in self.pools.values():
+            self._sync_members(p)
+            state = p.router.state
+            for wid, s in state.stats().items():
+                views[wid] = WorkerView(pool=p.name, tree_tokens=s.tree_tokens, tree_nodes=s.tree_nodes,
+                                        routed_requests=s.routed_requests, routed_tokens=s.routed_tokens,
+                                        matched_tokens=s.matched_tokens, in_flight=s.in_flight,
+                                        queue_len=s.queue_len, kv_usage=s.kv_usage, load=s.load,
+                                        events_applied=state.workers[wid].events_applied,
+                                        engine=p.engine_stats.get(wid, {}))
+        computing = [v for v in views.values() if v.pool != "decode"]
+        prompt = sum(v.engine.get("prompt_tokens", 0) for v in computing)
+        cached = sum(v.engine.get("cached_tokens", 0) for v in computing)
         return ClusterStats(policy=self.policy, workers=views,
-                            routed_requests=sum(v.routed_requests for v in views.values()),
+                            routed_requests=sum(v.routed_requests for v in computing),
                             cache_hit_rate=cached / prompt if prompt else 0.0,
                             route_latency_ms=percentiles(self._latency_ms),
                             membership_changes=self._membership_changes, purged_workers=list(self._purged))
 
+    def _pool(self, name: str) -> _Pool:
+        p = self.pools.get(name)
+        if p is None:
+            raise NoWorkersError(f"this cluster has no {name} pool (pools: {', '.join(self.pools)})")
+        return p
+
+    async def _route_in(self, p: _Pool, input_ids: List[int]) -> RoutingDecision:
+        self._sync_members(p)
+        if not p.router.state.workers:
+            try:
+                await asyncio.wait_for(p.ready.wait(), _MEMBERSHIP_WAIT_S)
+            except asyncio.TimeoutError:
+                raise NoWorkersError(f"no {p.name} worker replica is running") from None
+            self._sync_members(p)
+        start = time.perf_counter()
+        decision = p.router.route(input_ids)
+        self._latency_ms.append((time.perf_counter() - start) * 1e3)
+        return decision
+
+    def _remember(self, rid: str, where: str) -> None:
+        self._decisions[rid] = where
+        if len(self._decisions) > 4096:
+            self._decisions.popitem(last=False)
+
     # --- membership and reports ----------------------------------------------------------------
 
-    def _sync_members(self) -> None:
-        m = membership.members(self._deployment_id)
-        if m.version == self._members_version:
+    def _sync_members(self, p: _Pool) -> None:
+        m = membership.members(p.deployment_id)
+        if m.version == p.members_version:
             return
-        self._members_version = m.version
-        change = self.router.state.sync_members(sorted(m.ids - m.dead))
-        self._record_change(change.added, change.removed)
+        p.members_version = m.version
+        drained = self.scaler.excluded(p.name) if self.scaler is not None else set()
+        change = p.router.state.sync_members(sorted(m.ids - m.dead - drained))
+        self._record_change(p, change.added, change.removed)
 
-    def _purge(self, worker_id: str, why: str) -> None:
-        if self.router.state.remove_worker(worker_id):
-            self._record_change([], [worker_id])
-            logger.warning("router: purged worker %s (%s)", worker_id, why)
+    def _purge(self, p: _Pool, worker_id: str, why: str) -> None:
+        if p.router.state.remove_worker(worker_id):
+            self._record_change(p, [], [worker_id])
+            logger.warning("router: purged %s worker %s (%s)", p.name, worker_id, why)
 
-    def _record_change(self, added: List[str], removed: List[str]) -> None:
+    def _record_change(self, p: _Pool, added: List[str], removed: List[str]) -> None:
         for w in removed:
-            self._engine_stats.pop(w, None)
+            p.engine_stats.pop(w, None)
             self._purged.append(w)
         if added or removed:
             self._membership_changes += 1
-            logger.info("router: workers +%s -%s", added, removed)
-        if self.router.state.workers:
-            self._members_ready.set()
+            logger.info("router: %s workers +%s -%s", p.name, added, removed)
+        if p.router.state.workers:
+            p.ready.set()
         else:
-            self._members_ready.clear()
+            p.ready.clear()
 
     async def _control_loop(self) -> None:
         while True:
-            try:
-                self._sync_members()
-                await self._poll_reports()
-            except Exception:  # noqa: BLE001 - the loop must survive anything
-                logger.exception("router: control loop iteration failed")
+            for p in self.pools.values():
+                try:
+                    self._sync_members(p)
+                    await self._poll_reports(p)
+                except Exception:  # noqa: BLE001 - the loop must survive anything
+                    logger.exception("router: control loop iteration failed (%s pool)", p.name)
+            if self.scaler is not None:
+                try:
+                    await self.scaler.step()
+                except Exception:  # noqa: BLE001
+                    logger.exception("router: pool scaler step failed")
             await asyncio.sleep(self.report_interval_s)
 
-    async def _poll_reports(self) -> None:
-        ids = list(self.router.state.workers)
-        results = await asyncio.gather(*(self._report(w) for w in ids), return_exceptions=True)
+    async def _poll_reports(self, p: _Pool) -> None:
+        ids = list(p.router.state.workers)
+        results = await asyncio.gather(*(self._report(p, w) for w in ids), return_exceptions=True)
         for wid, res in zip(ids, results):
             if isinstance(res, ActorDiedError):
-                self._purge(wid, f"report failed: {type(res).__name__}")
-                membership.mark_dead(self._deployment_id, wid)  # out until the controller drops it too
+                self._purge(p, wid, f"report failed: {type(res).__name__}")
+                membership.mark_dead(p.deployment_id, wid)  # out until the controller drops it too
             elif isinstance(res, BaseException):
                 logger.debug("router: report from %s failed: %r", wid, res)
-            elif res.replica_id in self.router.state:
+            elif res.replica_id in p.router.state:
                 # res may come from another replica when the pinned one just left (fallback routing)
-                self.router.state.on_report(res.replica_id, res.queue_len, res.kv_usage, res.events)
-                self._engine_stats[res.replica_id] = res.stats
+                p.router.state.on_report(res.replica_id, res.queue_len, res.kv_usage, res.events)
+                p.engine_stats[res.replica_id] = res.stats
 
-    async def _report(self, worker_id: str):
-        call = self.workers.options(session_id=worker_id).report.remote()
+    async def _report(self, p: _Pool, worker_id: str):
+        call = p.handle.options(session_id=worker_id).report.remote()
         return await asyncio.wait_for(call, timeout=max(5.0, 10 * self.report_interval_s))
 
 

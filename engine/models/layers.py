@@ -4,6 +4,11 @@ Every layer works on the flat token layout of a ForwardBatch: activations are
 (T, hidden) or (T, heads, head_dim), T = tokens of the whole batch. Numerics
 follow Hugging Face transformers (the reference): norms and rotary angles are
 computed in float32 and cast back to the activation dtype.
+
+On CUDA the layers run fused Triton kernels (kernels/triton/fused_layers.py: one
+launch for residual-add + RMSNorm, SiLU-and-mul, and RoPE of q and k together),
+which round at the same places as the torch code; elsewhere plain torch. The
+kernel module is imported on first CUDA use, so CPU installs never import triton.
 """
 from __future__ import annotations
 
@@ -21,6 +26,15 @@ from engine.errors import UnsupportedModelError
 _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
 
+def _fused(x: torch.Tensor):
+    """kernels.triton.fused_layers when `x` is on CUDA (the fused path), else None (plain torch)."""
+    if not x.is_cuda:
+        return None
+    from kernels.triton import fused_layers  # noqa: PLC0415  (imports triton: GPU path only)
+
+    return fused_layers
+
+
 class RMSNorm(nn.Module):
     """y = weight * x / sqrt(mean(x^2) + eps), reduced in float32.
 
@@ -36,6 +50,9 @@ class RMSNorm(nn.Module):
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         """(..., hidden) -> (..., hidden), x's dtype."""
+        fused = _fused(x)
+        if fused is not None and self.weight.dtype == x.dtype:
+            return fused.rmsnorm(x, self.weight, self.eps)
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -43,6 +60,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """x, residual: (T, hidden). Returns (normed, new_residual), both (T, hidden)."""
+        fused = _fused(x)
+        if residual is not None and fused is not None and self.weight.dtype == x.dtype == residual.dtype:
+            return fused.fused_add_rmsnorm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
         return self.normalize(x), x
@@ -113,10 +133,23 @@ class RotaryEmbedding(nn.Module):
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
+    @staticmethod
+    def apply_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """q (T, H, D) and k (T, Hkv, D) rotated by cos/sin from `cos_sin`: one fused launch on CUDA
+        (new contiguous tensors), two `apply` calls elsewhere."""
+        fused = _fused(q)
+        if fused is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
+            return fused.rope(q, k, cos, sin)
+        return RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+
 
 class SiluAndMul(nn.Module):
     """(T, 2 * d) = [gate | up] -> (T, d) = silu(gate) * up."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = _fused(x)
+        if fused is not None:
+            return fused.silu_and_mul(x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]

@@ -71,7 +71,7 @@ class LlamaAttention(nn.Module):
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
         if self.has_qk_norm:
             q, k = self.q_norm.normalize(q), self.k_norm.normalize(k)
-        q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+        q, k = RotaryEmbedding.apply_qk(q, k, cos, sin)
         out = batch.attn_backend.forward(q, k, v, self.layer_id, batch)
         return self.o_proj(out.reshape(T, self.q_size))
 

@@ -53,7 +53,7 @@ def default_model_source() -> ModelSource:
 
 def resolve_model(model: Optional[str]) -> ModelSource:
     """Turn the user's `model` argument into a ModelSource, or raise ModelNotFoundError."""
-    if model is None or model == DEFAULT_MODEL_NAME:
+    if model is None or model.lower() in (DEFAULT_MODEL_NAME, "smollm2-135m-instruct"):
         return default_model_source()
     path = os.path.abspath(os.path.expanduser(model))
     if os.path.isfile(path):

@@ -4,9 +4,11 @@
     last new token of each sampled request → Sampler (grammar rows masked by their
     Req.grammar bitmask) → BatchResult (host lists)
 
-Memory layout decided here: KV pool capacity (from `max_total_tokens`, or from a
-fraction of device memory after the weights), the ReqToTokenPool rows and the
-page allocator.
+Memory layout decided here: KV pool capacity (from `max_total_tokens`, or from the
+device memory left after the weights, an activation estimate and the share that
+`mem_fraction_static` keeps free), the ReqToTokenPool rows and the page allocator.
+On CUDA, DECODE batches replay captured CUDA graphs (engine/runner/cuda_graph.py)
+unless `disable_cuda_graph`.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from typing import Dict, List, Optional
 import torch
 
 from engine.config import EngineConfig
-from engine.errors import OutOfMemoryError
+from engine.errors import InvalidConfigError, OutOfMemoryError
 from engine.memory.allocator import TokenToKVPoolAllocator
 from engine.memory.kv_pool import KVPool
 from engine.forward_batch import ForwardMode
@@ -30,8 +32,9 @@ from kernels.attention.base import get_backend_class
 
 logger = logging.getLogger(__name__)
 
-# Headroom kept free on a GPU for activations, CUDA graphs and the allocator (bytes).
-GPU_ACTIVATION_RESERVE = 2 << 30
+# Headroom kept free on a GPU beyond the activation estimate: CUDA graphs, attention workspaces,
+# cuBLAS workspaces and allocator fragmentation (bytes).
+GPU_FIXED_RESERVE = 1 << 30
 # Rows of the request table beyond max_running_requests (for chunked / retracting requests).
 EXTRA_REQ_ROWS = 8
 
@@ -75,8 +78,17 @@ class ModelRunner:
 
     def _init_model(self) -> None:
         self.model_config = load_config(self.source)
-        self.model = load_model(self.source, self.model_config, self.config.load_format, self.dtype, self.device,
-                                seed=self.config.random_seed)
+        free_before = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
+        try:
+            self.model = load_model(self.source, self.model_config, self.config.load_format, self.dtype,
+                                    self.device, seed=self.config.random_seed)
+        except torch.cuda.OutOfMemoryError as exc:
+            n = _param_count(self.model_config)
+            size = n * torch.empty((), dtype=self.dtype).element_size()
+            raise OutOfMemoryError(
+                f"the model's weights (~{n / 1e9:.2f} B parameters, ~{size / 2**30:.1f} GiB in {self.dtype}) do not "
+                f"fit on {self.device} ({free_before / 2**30:.1f} GiB free): use a GPU with more memory, a "
+                f"smaller dtype or a smaller model") from exc
         self.vocab_size = int(self.model_config.vocab_size)
         self.context_len = int(self.config.context_length or self.model_config.max_position_embeddings)
         window = self.model.sliding_window
@@ -90,17 +102,37 @@ class ModelRunner:
             return self.config.max_total_tokens
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - total * (1 - self.config.mem_fraction_static) - GPU_ACTIVATION_RESERVE
+            # Memory this process's allocator caches but no tensor uses (e.g. an earlier engine's) is free too.
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            activations = self.activation_bytes()
+            budget = free - total * (1 - self.config.mem_fraction_static) - activations
             tokens = int(budget // bytes_per_token)
-            if tokens < self.context_len // 8:
+            need = min(self.context_len, 4096)
+            if tokens < need:
                 raise OutOfMemoryError(
-                    f"the model leaves room for only {max(tokens, 0)} KV tokens on {self.device} "
-                    f"(free {free / 2**30:.1f} GiB of {total / 2**30:.1f} GiB); lower the model size or context, "
-                    f"or raise mem_fraction_static")
+                    f"after the weights, {self.device} has {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB; "
+                    f"activations need ~{activations / 2**30:.1f} GiB and mem_fraction_static="
+                    f"{self.config.mem_fraction_static} keeps {(1 - self.config.mem_fraction_static) * total / 2**30:.1f}"
+                    f" GiB free, leaving room for {max(tokens, 0)} KV tokens ({bytes_per_token} bytes each), fewer "
+                    f"than {need}: raise mem_fraction_static, lower max_prefill_tokens / chunked_prefill_size, "
+                    f"or use a smaller model or dtype")
             return tokens
         import psutil  # noqa: PLC0415  (CPU sizing only)
         budget = psutil.virtual_memory().available * (1 - self.config.mem_fraction_static)
         return int(min(budget // bytes_per_token, self.config.cpu_max_total_tokens))
+
+    def activation_bytes(self) -> int:
+        """Estimate of the peak activation memory of one forward (bytes): the largest prefill batch's
+        per-token tensors (qkv, ~6 hidden-sized temporaries, gate/up and its product) plus the logits and
+        sampler temporaries of a full decode batch, plus GPU_FIXED_RESERVE."""
+        cfg, m = self.model_config, self.model
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        chunk = self.config.chunked_prefill_size
+        tokens = max(self.config.max_prefill_tokens, chunk if chunk > 0 else 0)
+        per_token = ((m.num_heads + 2 * m.num_kv_heads) * m.head_dim + 6 * cfg.hidden_size
+                     + 3 * cfg.intermediate_size) * elem
+        logits = self.config.max_running_requests * self.vocab_size * 4 * 3
+        return tokens * per_token + logits + GPU_FIXED_RESERVE
 
     def _init_memory(self) -> None:
         m = self.model
@@ -114,27 +146,54 @@ class ModelRunner:
         logger.info("KV pool: %d tokens (%d pages of %d), %.1f MiB", self.allocator.size, num_pages - 1, ps,
                     num_pages * ps * bytes_per_token / 2**20)
 
-    def _init_attention_backend(self) -> None:
+    def _resolve_backend_name(self) -> str:
         name = self.config.attention_backend
-        if name == "auto":
-            name = "torch_native"
+        if name != "auto":
+            return name
+        if self.device.type != "cuda":
+            return "torch_native"
+        if self.dtype in (torch.float16, torch.bfloat16):
+            try:
+                import flashinfer  # noqa: F401, PLC0415
+                return "flashinfer"
+            except ImportError:
+                logger.warning("flashinfer is not installed (pip install 'radixserve[gpu]'): using the triton "
+                               "attention backend")
+        return "triton"
+
+    def _init_attention_backend(self) -> None:
+        name = self._resolve_backend_name()
+        if name in ("flashinfer", "triton") and self.device.type != "cuda":
+            raise InvalidConfigError(f"attention_backend={name!r} needs a CUDA device (got {self.device})")
+        self.attn_backend_name = name
         m = self.model
         self.attn_backend = get_backend_class(name)(
             self.req_to_token_pool.req_to_token, self.kv_pool, m.num_heads, m.num_kv_heads, m.head_dim,
             m.head_dim ** -0.5)
+        self.graph_runner = None
+        if self.device.type == "cuda" and not self.config.disable_cuda_graph and self.attn_backend.supports_cuda_graph:
+            from engine.runner.cuda_graph import CudaGraphRunner  # noqa: PLC0415
+
+            max_bs = self.config.cuda_graph_max_bs or min(self.config.max_running_requests, 256)
+            self.graph_runner = CudaGraphRunner(self.model, self.attn_backend, self.req_to_token_pool, max_bs,
+                                                self.device)
 
     @torch.inference_mode()
     def run_batch(self, batch) -> BatchResult:
         """Forward `batch` (a prepared ScheduleBatch) and sample its sampled requests."""
         fb = batch.forward_batch
         fb.attn_backend = self.attn_backend
-        self.attn_backend.init_forward_metadata(fb)
-        hidden = self.model(fb)
-        prompt_logprobs = self._prompt_logprobs(batch, hidden) if fb.forward_mode is ForwardMode.EXTEND else {}
         reqs = batch.sampled_reqs
-        if not reqs:
-            return BatchResult(next_token_ids=[], prompt_logprobs=prompt_logprobs)
-        logits = self.model.compute_logits(hidden[fb.last_token_rows[:len(reqs)]])
+        if self.graph_runner is not None and self.graph_runner.can_run(fb):
+            logits = self.graph_runner.replay(fb)  # DECODE: every request is sampled, no prompt logprobs
+            prompt_logprobs = {}
+        else:
+            self.attn_backend.init_forward_metadata(fb)
+            hidden = self.model(fb)
+            prompt_logprobs = self._prompt_logprobs(batch, hidden) if fb.forward_mode is ForwardMode.EXTEND else {}
+            if not reqs:
+                return BatchResult(next_token_ids=[], prompt_logprobs=prompt_logprobs)
+            logits = self.model.compute_logits(hidden[fb.last_token_rows[:len(reqs)]])
         info = SamplingBatchInfo.build(
             [r.sampling_params for r in reqs], seeds=[r.seed for r in reqs], steps=[len(r.output_ids) for r in reqs],
             output_ids=[r.output_ids for r in reqs], prompt_ids=[r.origin_input_ids for r in reqs],
@@ -179,3 +238,14 @@ class ModelRunner:
         # Tokens a grammar forbids have logprob -inf: they are no candidates, so they are left out.
         ks = [r.sampling_params.top_logprobs for r in reqs]
         return [[(t, v) for t, v in zip(ids[i][:k], vals[i][:k]) if v != float("-inf")] for i, k in enumerate(ks)]
+
+
+def _param_count(cfg) -> int:
+    """Approximate parameter count of a Llama-style config (for error messages)."""
+    h, L = cfg.hidden_size, cfg.num_hidden_layers
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    d = getattr(cfg, "head_dim", None) or h // heads
+    per_layer = h * heads * d * 2 + 2 * h * kv * d + 3 * h * cfg.intermediate_size
+    embed = cfg.vocab_size * h * (1 if getattr(cfg, "tie_word_embeddings", False) else 2)
+    return L * per_layer + embed

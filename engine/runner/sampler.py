@@ -39,6 +39,7 @@ _MUL_A, _MUL_B = 0x21F0AAAD, 0x735A2D97
 _SEED_SALT = 0x9E3779B9     # first word absorbed with the low seed bits
 _TOKEN_SALT = 0x5851F42D    # derives the second-round key from the row key
 _SEED_MOD = 1 << 63         # seeds are stored reduced mod 2^63 (any Python int is accepted)
+TOPK_FAST_MAX = 1024        # top-k up to this runs on torch.topk candidates instead of a vocabulary sort
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -141,6 +142,10 @@ class SamplingBatchInfo:
     greedy_mask: torch.Tensor
     """(bs,) bool — rows answered by argmax."""
     is_all_greedy: bool
+    has_greedy: bool
+    """Some row is greedy (a host flag: the sampler never reads device tensors back to decide)."""
+    max_top_k: int
+    """Largest top-k of the sampled rows (vocab size when some sampled row has none)."""
     need_top_k: bool
     need_top_p: bool
     need_min_p: bool
@@ -192,6 +197,8 @@ class SamplingBatchInfo:
             steps=i64(steps),
             greedy_mask=torch.tensor(greedy, dtype=torch.bool, device=device),
             is_all_greedy=all(greedy),
+            has_greedy=any(greedy),
+            max_top_k=max((k for k, g in zip(top_ks, greedy) if not g), default=vocab_size),
             need_top_k=any(k < vocab_size for k in top_ks),
             need_top_p=any(p.top_p < 1.0 for p in sampled),
             need_min_p=any(p.min_p > 0.0 for p in sampled),
@@ -256,7 +263,7 @@ class Sampler:
         if info.is_all_greedy:
             next_ids = logits.argmax(dim=-1)
         else:
-            greedy_ids = logits.argmax(dim=-1) if bool(info.greedy_mask.any()) else None
+            greedy_ids = logits.argmax(dim=-1) if info.has_greedy else None
             next_ids = self._sample(logits, info)
             if greedy_ids is not None:
                 next_ids = torch.where(info.greedy_mask, greedy_ids, next_ids)
@@ -272,10 +279,39 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         """(bs, V) float32 penalised logits -> (bs,) int64 sampled ids (greedy rows: ignore)."""
         logits.div_(info.temperatures)
-        if info.need_top_k or info.need_top_p or info.need_min_p:
+        if info.need_top_k and info.max_top_k <= TOPK_FAST_MAX:
+            logits = self._filter_top_k_first(logits, info)
+        elif info.need_top_k or info.need_top_p:
             logits.masked_fill_(self._filter_mask(logits, info), float("-inf"))
+        elif info.need_min_p:
+            probs = torch.softmax(logits, dim=-1)
+            logits.masked_fill_(probs < probs.max(dim=-1, keepdim=True).values * info.min_ps.unsqueeze(1),
+                                float("-inf"))
         # Gumbel-max: argmax(logits / T + G) is an exact draw from softmax(logits / T).
+        if logits.is_cuda:  # one fused pass (kernels/triton/sampling.py), same noise
+            from kernels.triton.sampling import gumbel_argmax  # noqa: PLC0415
+
+            return gumbel_argmax(logits, _row_keys(info.seeds, info.steps).squeeze(1))
         return (logits + gumbel_noise(info.seeds, info.steps, logits.shape[1])).argmax(dim=-1)
+
+    @staticmethod
+    def _filter_top_k_first(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """Top-k, then top-p and min-p, without sorting the vocabulary: every sampled row keeps at most
+        max_top_k (<= TOPK_FAST_MAX) tokens, so the filters run on the best max_top_k candidates of each
+        row (torch.topk) and the result is scattered back into a row of -inf. Same keep-set as
+        `_filter_mask` (up to the order of exactly tied logits)."""
+        vals, idx = logits.topk(info.max_top_k, dim=-1, sorted=True)
+        rank = torch.arange(info.max_top_k, device=logits.device).unsqueeze(0)
+        mask = rank >= info.top_ks.unsqueeze(1)
+        if info.need_top_p or info.need_min_p:
+            probs = torch.softmax(vals.masked_fill(mask, float("-inf")), dim=-1)
+            if info.need_top_p:
+                before = probs.cumsum(dim=-1) - probs
+                mask |= (before > info.top_ps.unsqueeze(1)) & (info.top_ps < 1.0).unsqueeze(1)
+            if info.need_min_p:
+                mask |= probs < probs[:, :1] * info.min_ps.unsqueeze(1)
+        out = torch.full_like(logits, float("-inf"))
+        return out.scatter_(1, idx, vals.masked_fill(mask, float("-inf")))
 
     @staticmethod
     def _filter_mask(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:

@@ -66,11 +66,28 @@ class AttentionBackend(abc.ABC):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatchLike) -> torch.Tensor: ...
 
+    # ---- CUDA graphs (decode) ------------------------------------------------------------------
+    # A backend that supports graphs sets `supports_cuda_graph`. The graph runner then calls, for
+    # every captured batch size bs, `init_forward_metadata_capture(batch)` outside the capture with a
+    # DECODE batch whose device tensors are the runner's static buffers (their contents are dummies),
+    # captures `forward` of every layer, and before each replay fills the static buffers with the real
+    # (padded) batch and calls `init_forward_metadata_replay(batch)` on the same batch object, whose
+    # host lists (`seq_lens_cpu`, ...) now hold the real values. Both must leave the device pointers
+    # that the captured kernels read unchanged.
+    supports_cuda_graph: bool = False
+
+    def init_forward_metadata_capture(self, batch: ForwardBatchLike) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def init_forward_metadata_replay(self, batch: ForwardBatchLike) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
 
 # name -> "module:Class", imported on first use so GPU-only backends cost nothing on CPU.
 _REGISTRY: Dict[str, str] = {
     "torch_native": "kernels.attention.torch_native:TorchNativeAttnBackend",
     "triton": "kernels.attention.triton:TritonAttnBackend",
+    "flashinfer": "kernels.attention.flashinfer:FlashInferAttnBackend",
 }
 
 

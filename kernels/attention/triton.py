@@ -57,12 +57,32 @@ class TritonAttnBackend(AttentionBackend):
         if _is_decode(batch):
             device = self.req_to_token.device
             max_len = max(batch.seq_lens_cpu) if batch.batch_size else 0
-            splits = self.num_kv_splits or dec.pick_num_kv_splits(batch.batch_size, self.num_kv_heads, max_len, device)
+            splits = self.num_kv_splits or dec.pick_num_kv_splits(_bucket(batch.batch_size), self.num_kv_heads,
+                                                                   max_len, device)
             mid_o, mid_lse = dec.alloc_decode_scratch(batch.batch_size, self.num_heads, self.head_dim, splits, device)
             self._decode = _DecodeMeta(splits, mid_o, mid_lse)
         else:
             self._extend = _ExtendMeta(max(batch.extend_seq_lens_cpu) if batch.batch_size else 0)
         self._meta_batch = batch
+
+    supports_cuda_graph = True
+
+    def init_forward_metadata_capture(self, batch: ForwardBatchLike) -> None:
+        """Decode metadata of a captured batch size: the split count for any context length (the kernel
+        sizes its chunks from the device seq_lens) and scratch owned by this graph."""
+        from kernels.triton import decode_attention as dec
+
+        device = self.req_to_token.device
+        bs = batch.batch_size
+        splits = self.num_kv_splits or dec.pick_num_kv_splits(_bucket(bs), self.num_kv_heads, 1 << 30, device)
+        mid_o, mid_lse = dec.alloc_decode_scratch(bs, self.num_heads, self.head_dim, splits, device)
+        self._graph_meta = getattr(self, "_graph_meta", {})
+        self._graph_meta[bs] = _DecodeMeta(splits, mid_o, mid_lse)
+        self._decode, self._extend, self._meta_batch = self._graph_meta[bs], None, batch
+
+    def init_forward_metadata_replay(self, batch: ForwardBatchLike) -> None:
+        """Nothing to update on the host: the kernels read seq_lens and req_pool_indices on the device."""
+        self._decode, self._extend, self._meta_batch = self._graph_meta[batch.batch_size], None, batch
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatchLike) -> torch.Tensor:
@@ -88,6 +108,13 @@ class TritonAttnBackend(AttentionBackend):
         return extend_attention(q, k, v, out, k_buf, v_buf, self.req_to_token, batch.req_pool_indices,
                                 batch.extend_prefix_lens, batch.extend_seq_lens, batch.extend_start_loc,
                                 self._extend.max_extend_len, self.scale)
+
+
+def _bucket(bs: int) -> int:
+    """Batch size the split heuristic sees: the next power of two, the size a CUDA graph pads `bs` to, so a
+    decode batch is split the same way (same float rounding) with CUDA graphs on and off. A split count
+    above what a context needs leaves the extra splits empty, which changes no sum."""
+    return 1 << max(0, bs - 1).bit_length()
 
 
 def _is_decode(batch: ForwardBatchLike) -> bool:

@@ -5,6 +5,9 @@
                          stage 1 partial softmax per (request, kv head, split), stage 2 merges the splits
     extend_attention.py  new tokens of each request over its cached prefix (paged, via req_to_token)
                          plus the causal part of its own new tokens (contiguous rows of k/v)
+    fused_layers.py      decoder layers in one launch each: RMSNorm (+ residual add), SiLU-and-mul, RoPE of q
+                         and k; and the flattened KV indices of a batch (FlashInfer's page table)
+    sampling.py          Gumbel-max sampling (counter-based noise + argmax) in one pass over the logits
 
 Each kernel module exposes a plain-torch reference (`*_reference`) that tests/test_triton_kernels.py checks it
 against; kernels/attention/triton.py (TritonAttnBackend) calls them. Slot indices come from

@@ -1,0 +1,282 @@
+"""Time per decode step of one ModelRunner, against the memory-bandwidth roofline measured in the same run.
+
+For each batch size, `bs` requests with `--context-len` tokens of KV each decode one token per step, over
+and over (the same step repeated: same positions, same slots, so every step reads the same bytes). Two
+times per batch size:
+
+  step_ms   the engine's whole decode step as the scheduler runs it: ForwardBatch from host lists,
+            ModelRunner.run_batch (CUDA-graph replay or eager forward, logits, greedy sampling) and the
+            host read-back of the tokens; wall clock, median over --steps steps
+  gpu_ms    the device time of the same step without host work between steps (CUDA events around
+            --steps back-to-back steps, no read-back)
+
+Roofline: a decode step must read every matmul weight once plus each request's KV cache:
+    bytes = (layer matmul params + lm_head params) * dtype size + bs * context_len * KV bytes per token
+    roofline_ms = bytes / copy bandwidth, the bandwidth of a 4 GiB device-to-device copy (bytes read +
+    written) measured first, in this process; fraction = roofline_ms / step_ms.
+Weights are dummy (random, real shapes) from a config.json (--config); KV is random.
+
+  python benchmarks/bench_decode.py --config benchmarks/configs/llama-3.1-8b.json \\
+      --batch-sizes 1 8 32 128 256 --context-len 256
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Dict, List
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def copy_bandwidth(device, nbytes: int = 4 << 30, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize(device)
+    seconds = start.elapsed_time(end) / 1e3 / iters
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / seconds
+
+
+def model_bytes(cfg: Dict, dtype_bytes: int) -> Dict[str, int]:
+    """Matmul weight bytes a decode step reads (all layers + lm_head) and KV bytes per token."""
+    h, L = cfg["hidden_size"], cfg["num_hidden_layers"]
+    hq = cfg["num_attention_heads"]
+    hkv = cfg.get("num_key_value_heads", hq)
+    d = cfg.get("head_dim") or h // hq
+    per_layer = h * hq * d + 2 * h * hkv * d + hq * d * h + 3 * h * cfg["intermediate_size"]
+    return {"weight_bytes": (L * per_layer + cfg["vocab_size"] * h) * dtype_bytes,
+            "kv_bytes_per_token": 2 * L * hkv * d * dtype_bytes}
+
+
+class DecodeBench:
+    """A ModelRunner with `max_bs` requests of `context_len` cached tokens (random KV)."""
+
+    def __init__(self, model_dir: str, max_bs: int, context_len: int, backend: str, disable_cuda_graph: bool,
+                 dtype: str):
+        import torch
+
+        from engine.config import EngineConfig
+        from engine.models.source import resolve_model
+        from engine.runner.model_runner import ModelRunner
+
+        self.context_len = context_len
+        config = EngineConfig(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype=dtype,
+                              max_running_requests=max_bs, max_total_tokens=max_bs * (context_len + 1) + 64,
+                              attention_backend=backend, disable_cuda_graph=disable_cuda_graph,
+                              context_length=max(context_len + 64, 2048))
+        self.runner = runner = ModelRunner(config, resolve_model(model_dir))
+        self.device = runner.device
+        self.rows, self.slots = [], []
+        for _ in range(max_bs):
+            row = runner.req_to_token_pool.alloc()
+            slots = runner.allocator.alloc_pages(context_len + 1)  # page size 1: page ids are slots
+            runner.req_to_token_pool.write(row, 0, slots)
+            self.rows.append(row)
+            self.slots.append(slots)
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        for buf in runner.kv_pool.k_buffers + runner.kv_pool.v_buffers:
+            buf.normal_(0.0, 1.0, generator=gen)
+        self.vocab = runner.vocab_size
+
+    def step_fn(self, bs: int):
+        """A closure running one decode step of the first `bs` requests; returns host token ids."""
+        import torch
+
+        from engine.forward_batch import ForwardBatch, ForwardMode
+
+        ctx = self.context_len
+        runner = self.runner
+        gen = torch.Generator().manual_seed(bs)
+        input_ids = torch.randint(100, self.vocab, (bs,), generator=gen).tolist()
+        out_loc = torch.stack([s[ctx] for s in self.slots[:bs]])
+
+        class _Req:  # what run_batch reads of a request when sampling greedily
+            def __init__(self):
+                from engine.sampling_params import SamplingParams
+
+                self.sampling_params = SamplingParams(temperature=0.0, max_new_tokens=1 << 20, ignore_eos=True)
+                self.seed, self.output_ids, self.origin_input_ids, self.grammar = 0, [], [], None
+
+        reqs = [_Req() for _ in range(bs)]
+
+        class _Batch:
+            def __init__(self):
+                self.forward_batch = ForwardBatch.build(ForwardMode.DECODE, input_ids, [ctx] * bs, out_loc,
+                                                        self_rows[:bs], [ctx + 1] * bs, [ctx] * bs, runner.device)
+                self.sampled_reqs = reqs
+                self.reqs = reqs
+
+        self_rows = self.rows
+
+        def step():
+            return runner.run_batch(_Batch()).next_token_ids
+
+        return step
+
+    def gpu_time_ms(self, bs: int, steps: int) -> float:
+        """Device time of one step (forward + logits + argmax), back-to-back steps timed with CUDA events."""
+        import torch
+
+        from engine.forward_batch import ForwardBatch, ForwardMode
+
+        ctx, runner = self.context_len, self.runner
+        fb = ForwardBatch.build(ForwardMode.DECODE, [1000] * bs, [ctx] * bs,
+                                torch.stack([s[ctx] for s in self.slots[:bs]]), self.rows[:bs], [ctx + 1] * bs,
+                                [ctx] * bs, runner.device)
+        fb.attn_backend = runner.attn_backend
+
+        def once():
+            if runner.graph_runner is not None and runner.graph_runner.can_run(fb):
+                logits = runner.graph_runner.replay(fb)
+            else:
+                runner.attn_backend.init_forward_metadata(fb)
+                logits = runner.model.compute_logits(runner.model(fb))
+            return logits.argmax(dim=-1)
+
+        with torch.inference_mode():
+            for _ in range(3):
+                once()
+            torch.cuda.synchronize(self.device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(steps):
+                once()
+            end.record()
+            torch.cuda.synchronize(self.device)
+        return start.elapsed_time(end) / steps
+
+
+def profile(bench: DecodeBench, bs: int, steps: int = 20) -> None:
+    """torch.profiler over `steps` engine decode steps: GPU kernel time by kernel, and the host calls."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    step = bench.step_fn(bs)
+    with torch.inference_mode():
+        for _ in range(3):
+            step()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step()
+    graphs = bench.runner.graph_runner
+    if graphs is not None and graphs.can_run_bs(bs):
+        # host time of the replay's parts (no sync): attention planning, graph launch
+        fb = graphs.batches[graphs.padded_size(bs)]
+        times = {"init_forward_metadata_replay": [], "graph_launch": []}
+        for _ in range(20) if torch.is_inference_mode_enabled() else ():
+            t0 = time.perf_counter()
+            bench.runner.attn_backend.init_forward_metadata_replay(fb)
+            t1 = time.perf_counter()
+            graphs.graphs[graphs.padded_size(bs)].replay()
+            t2 = time.perf_counter()
+            torch.cuda.synchronize()
+            times["init_forward_metadata_replay"].append((t1 - t0) * 1e6)
+            times["graph_launch"].append((t2 - t1) * 1e6)
+        print("host time per decode step (median us): " +
+              ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in times.items()))
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
+    print(f"\nprofile of {steps} decode steps at batch size {bs} (by GPU time):\n{table}")
+    table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60)
+    print(f"\nprofile of {steps} decode steps at batch size {bs} (by host time):\n{table}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs",
+                                                     "llama-3.1-8b.json"))
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 128, 256])
+    p.add_argument("--context-len", type=int, default=256,
+                   help="KV tokens per request (256: the mean context of vLLM's batch-1 run, 128 in + 256 out)")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/decode_<model>_<gpu>.json)")
+    p.add_argument("--profile", action="store_true",
+                   help="also print the top GPU kernels and host time of one step at the smallest batch size")
+    args = p.parse_args()
+
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("bench_decode needs a CUDA device")
+    from bench_offline import hardware
+
+    device = torch.device("cuda")
+    bandwidth = copy_bandwidth(device)
+    with open(args.config) as f:
+        cfg = json.load(f)
+    folder = tempfile.mkdtemp(prefix="bench-decode-")
+    shutil.copy(args.config, os.path.join(folder, "config.json"))
+    dtype_bytes = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    sizes = model_bytes(cfg, dtype_bytes)
+    start = time.perf_counter()
+    bench = DecodeBench(folder, max(args.batch_sizes), args.context_len, args.attention_backend,
+                        args.disable_cuda_graph, args.dtype)
+    startup = time.perf_counter() - start
+    rows: List[Dict] = []
+    with torch.inference_mode():
+        for bs in args.batch_sizes:
+            step = bench.step_fn(bs)
+            for _ in range(5):
+                step()
+            times = []
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                step()
+                times.append((time.perf_counter() - t0) * 1e3)
+            step_ms = statistics.median(times)
+            gpu_ms = bench.gpu_time_ms(bs, args.steps)
+            nbytes = sizes["weight_bytes"] + bs * args.context_len * sizes["kv_bytes_per_token"]
+            roof_ms = nbytes / bandwidth * 1e3
+            rows.append(dict(batch_size=bs, step_ms=step_ms, gpu_ms=gpu_ms, bytes_per_step=nbytes,
+                             roofline_ms=roof_ms, fraction_of_roofline=roof_ms / step_ms,
+                             gpu_fraction_of_roofline=roof_ms / gpu_ms, tokens_per_s=bs / step_ms * 1e3))
+    if args.profile:
+        with torch.inference_mode():
+            profile(bench, min(args.batch_sizes))
+    hw = hardware()
+    runner = bench.runner
+    print(f"\ndecode, {os.path.basename(args.config)} dummy {args.dtype}, context {args.context_len}; "
+          f"{hw.get('gpu')}; attention {runner.attn_backend_name}, CUDA graphs "
+          f"{'on' if runner.graph_runner is not None else 'off'}; copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    cols = ["batch_size", "step_ms", "gpu_ms", "roofline_ms", "fraction_of_roofline", "gpu_fraction_of_roofline",
+            "tokens_per_s"]
+    print("".join(f"{c:>26}" for c in cols))
+    for r in rows:
+        print("".join(f"{r[c]:>26.3f}" if isinstance(r[c], float) else f"{r[c]:>26}" for c in cols))
+    os.makedirs(RESULTS, exist_ok=True)
+    tag = (hw.get("gpu") or "cpu").replace(" ", "-")
+    model = os.path.splitext(os.path.basename(args.config))[0]
+    out = args.out or os.path.join(RESULTS, f"decode_{model}_{tag}.json")
+    with open(out, "w") as f:
+        json.dump(dict(benchmark="bench_decode", args=vars(args), hardware=hw, model=model, **sizes,
+                       copy_gb_per_s=bandwidth / 1e9, attention_backend=runner.attn_backend_name,
+                       cuda_graphs=runner.graph_runner is not None, startup_s=startup, results=rows,
+                       time=time.strftime("%Y-%m-%dT%H:%M:%S%z")), f, indent=2)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

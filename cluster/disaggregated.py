@@ -1,0 +1,272 @@
+"""Disaggregated serving: the Prefill and Decode pools and the ingress backend that pairs them.
+
+One request (DESIGN §1):
+
+    Ingress (DisaggregatedBackend)
+      1. Router.route_pair(input_ids) ─▶ PairDecision(prefill replica, decode replica)
+      2. DecodeWorker.generate_disaggregated(input_ids, params, rid, prefill_id), streamed, pinned:
+           engine reserves destination pages (after matching its own radix cache) ─▶ KVReservation
+           expect(prefill peer, dst pages, transfer id)                       (cluster.kv_transfer)
+           PrefillWorker.prefill(input_ids, params + seed, rid, TransferTarget), pinned:
+               engine computes the prompt (own radix cache), samples the first token, holds the KV
+               write(src pages of [prefix_len, prompt_len) ─▶ dst pages); wait; release the hold
+               ◀── PrefillHandoff (first token, logprobs)
+           wait for the transfer's arrival; the engine appends the first token and decodes
+         ◀── coalesced StreamOutputs
+      3. Router.finish for both replicas
+
+Failures: every wait is bounded (kv_transfer_timeout_s, the prefill call's own bound). Whatever
+fails, each engine frees its own pages — the prefill side's hold is released in a `finally`, the
+decode side's reservation is aborted when its stream ends early (engine.Engine.generate_stream).
+A failure before any token reached the client (prefill replica death, decode replica death,
+transfer failure or timeout) is retried on a new pair, up to MAX_ATTEMPTS; dead replicas are
+reported to the router first so that the new pair avoids them. Later failures reach the client.
+"""
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Dict, List, Optional
+
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
+
+from cluster.ingress import ClusterBackend, _RPC_TIMEOUT_S, _unwrap
+from cluster.kv_transfer import KVTransferError, PeerInfo, kv_pool_buffers, make_backend
+from cluster.latency import RequestClock
+from cluster.router.policies import NoWorkersError
+from cluster.worker import Worker
+from serving.errors import APIError
+
+logger = logging.getLogger("ray.serve")
+
+MAX_ATTEMPTS = 3
+"""Tries per request (first + retries) while nothing has been streamed."""
+PREFILL_CALL_TIMEOUT_S = 600.0
+"""Bound on one prefill call (queueing + compute + transfer)."""
+
+
+class PrefillFailedError(RuntimeError):
+    """The remote prefill of a request failed (the prefill replica died, refused, or the transfer failed
+    or timed out). Raised by the decode replica before any token was produced, so the request may be
+    retried. `prefill_dead`: the prefill replica is gone."""
+
+    def __init__(self, message: str, prefill_id: str, prefill_dead: bool):
+        super().__init__(message)
+        self.prefill_id, self.prefill_dead = prefill_id, prefill_dead
+
+    def __reduce__(self):
+        return (PrefillFailedError, (str(self), self.prefill_id, self.prefill_dead))
+
+
+class WrongReplicaError(RuntimeError):
+    """A pinned prefill call reached another replica (the named one left): the transfer would come from
+    an unexpected peer, so it is refused at once."""
+
+
+@dataclass(frozen=True)
+class TransferTarget:
+    """Decode side → prefill side: where and how to write the prompt's KV."""
+    replica_id: str
+    """The prefill replica the decode side expects to write (refused by any other)."""
+    peer: PeerInfo
+    """The decode replica's transfer endpoint."""
+    prefix_len: int
+    """Positions [0, prefix_len) are cached on the decode side; [prefix_len, prompt_len) are written."""
+    dst_pages: List[int]
+    transfer_id: str
+
+
+async def _awaited(call) -> Any:
+    """The result of a DeploymentResponse, as a coroutine (so that it can run as a task)."""
+    return await call
+
+
+def _is_dead(exc: BaseException) -> bool:
+    return isinstance(exc, (ActorDiedError, ActorUnavailableError))
+
+
+class _KVEndpoint:
+    """Mixin: a worker replica's KV transfer backend over its engine's KV pool."""
+
+    def _init_transfer(self, role: str, backend: str, timeout_s: float) -> None:
+        runner = self.engine.runner
+        self.transfer_timeout_s = timeout_s
+        self.transfer = make_backend(backend, f"{role}-{self.replica_id}", kv_pool_buffers(runner.kv_pool),
+                                     self.engine.config.page_size)
+
+    async def kv_info(self) -> PeerInfo:
+        """This replica's transfer endpoint (PeerInfo)."""
+        return self.transfer.info()
+
+
+class PrefillWorker(_KVEndpoint, Worker):
+    """A replica of the prefill pool: computes prompts and writes their KV into decode replicas."""
+
+    async def __init__(self, model: Optional[str], engine_options: Dict[str, Any], kv_transfer: str,
+                       transfer_timeout_s: float):
+        Worker.__init__(self, model, engine_options)
+        self._init_transfer("prefill", kv_transfer, transfer_timeout_s)
+
+    async def prefill(self, input_ids: List[int], params: Any, rid: str, target: TransferTarget) -> Any:
+        """Compute the prompt, write the KV of [target.prefix_len, prompt_len) into target.dst_pages,
+        and return the engine's PrefillHandoff (first token and logprobs). The hold on this replica's
+        pages is released whatever happens."""
+        if target.replica_id != self.replica_id:
+            raise WrongReplicaError(f"prefill for {rid} was meant for replica {target.replica_id}, "
+                                    f"reached {self.replica_id}")
+        self._served.append(rid)
+        self.transfer.connect(target.peer)
+        handoff = await self.engine.prefill_for_handoff(input_ids, params, rid=rid)
+        try:
+            src = handoff.pages_from(target.prefix_len)
+            handle = self.transfer.write(target.peer.name, src, target.dst_pages, target.transfer_id)
+            await self.transfer.wait(handle, self.transfer_timeout_s)
+        finally:
+            self.engine.release_handoff(rid)
+        return handoff
+
+
+class DecodeWorker(_KVEndpoint, Worker):
+    """A replica of the decode pool: receives prompts' KV from prefill replicas and decodes."""
+
+    async def __init__(self, model: Optional[str], engine_options: Dict[str, Any], prefill, kv_transfer: str,
+                       transfer_timeout_s: float):
+        Worker.__init__(self, model, engine_options)
+        self._init_transfer("decode", kv_transfer, transfer_timeout_s)
+        self.prefill_pool = prefill
+        """DeploymentHandle of the prefill pool (calls pinned by session_id)."""
+        self._peers: Dict[str, PeerInfo] = {}
+
+    async def generate(self, input_ids: List[int], params: Any, rid: str) -> AsyncIterator[List[Any]]:
+        raise TypeError("decode replicas serve generate_disaggregated (mode=disaggregated)")
+        yield  # pragma: no cover - makes this an async generator like Worker.generate
+
+    async def generate_disaggregated(self, input_ids: List[int], params: Any, rid: str,
+                                     prefill_id: str) -> AsyncIterator[List[Any]]:
+        """Stream the request like Worker.generate, its prompt computed by prefill replica `prefill_id`."""
+
+        async def remote_prefill(reservation):
+            return await self._remote_prefill(input_ids, params, rid, prefill_id, reservation)
+
+        async for batch in self._stream(input_ids, params, rid, remote_prefill=remote_prefill):
+            yield batch
+
+    async def _remote_prefill(self, input_ids, params, rid: str, prefill_id: str, reservation) -> Any:
+        try:
+            peer = await self._prefill_peer(prefill_id)
+        except Exception as exc:  # noqa: BLE001 - becomes a retryable error
+            raise PrefillFailedError(f"prefill replica {prefill_id} unreachable: {_unwrap(exc)!r}", prefill_id,
+                                     _is_dead(_unwrap(exc))) from None
+        transfer_id = f"{rid}/{uuid.uuid4().hex[:8]}"
+        handle = self.transfer.expect(peer.name, reservation.dst_pages, transfer_id)
+        target = TransferTarget(prefill_id, self.transfer.info(), reservation.prefix_len,
+                                list(reservation.dst_pages), transfer_id)
+        call = self.prefill_pool.options(session_id=prefill_id).prefill.remote(
+            input_ids, dataclasses.replace(params, seed=reservation.seed), rid, target)
+        result = asyncio.ensure_future(_awaited(call))
+        try:
+            handoff = await asyncio.wait_for(asyncio.shield(result), PREFILL_CALL_TIMEOUT_S)
+            await self.transfer.wait(handle, self.transfer_timeout_s)  # the bytes have landed here
+        except BaseException as exc:
+            if not result.done():
+                # The prefill may still be writing into our pages: they are freed (by the engine's
+                # abort, once this raises) only after it let go of them — its own transfer wait is
+                # bounded by the same timeout.
+                call.cancel()
+                await self._settle(result)
+            self.transfer.release(handle)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            cause = _unwrap(exc)
+            if _is_dead(cause):
+                self._peers.pop(prefill_id, None)
+            raise PrefillFailedError(f"remote prefill on {prefill_id} failed: {cause!r}", prefill_id,
+                                     _is_dead(cause)) from None
+        return handoff
+
+    async def _settle(self, result: "asyncio.Future") -> None:
+        """Wait (bounded) until a cancelled prefill call has finished, whatever its outcome."""
+        bound = self.transfer_timeout_s + 5.0
+        done, _ = await asyncio.wait([result], timeout=bound)
+        if not done:
+            logger.warning("a cancelled prefill call did not settle in %.0f s", bound)
+        elif not result.cancelled():
+            result.exception()  # retrieved: no "exception was never retrieved" warning
+
+    async def _prefill_peer(self, prefill_id: str) -> PeerInfo:
+        peer = self._peers.get(prefill_id)
+        if peer is None:
+            peer = await asyncio.wait_for(self.prefill_pool.options(session_id=prefill_id).kv_info.remote(), 60)
+            if not peer.name.endswith(prefill_id):
+                raise WrongReplicaError(f"asked prefill replica {prefill_id} for its endpoint, {peer.name} answered")
+            self.transfer.connect(peer)
+            self._peers[prefill_id] = peer
+        return peer
+
+
+class DisaggregatedBackend(ClusterBackend):
+    """The ingress backend of mode=disaggregated: `workers` is the decode pool's handle."""
+
+    async def generate_stream(self, input_ids: List[int], params: Any, rid: str) -> AsyncIterator[Any]:
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            pair = await self._route_pair(input_ids, rid)
+            streamed = False
+            clock = RequestClock()
+            gen = self.workers.options(stream=True, session_id=pair.decode.worker_id).generate_disaggregated.remote(
+                input_ids, params, rid, pair.prefill.worker_id)
+            self._active[rid] = gen
+            try:
+                async for chunk in gen:
+                    clock.on_chunk(chunk)
+                    for out in chunk:
+                        streamed = True
+                        yield out
+                return
+            except (RayTaskError, ActorDiedError, ActorUnavailableError) as exc:
+                cause = _unwrap(exc)
+                retry = not streamed and attempt < MAX_ATTEMPTS and (
+                    isinstance(cause, PrefillFailedError) or _is_dead(cause))
+                await self._report_failure(pair, cause)
+                if not retry:
+                    raise cause from None
+                logger.warning("request %s: attempt %d failed before streaming (%r); retrying on a new pair",
+                               rid, attempt, cause)
+            finally:
+                if self._active.pop(rid, None) is not None:
+                    gen.cancel()
+                self._finish_pair(pair, clock)
+
+    async def _route_pair(self, input_ids: List[int], rid: str) -> Any:
+        start = time.perf_counter()
+        try:
+            pair = await asyncio.wait_for(self.router.route_pair.remote(input_ids, rid), _RPC_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001
+            exc = _unwrap(exc)
+            if isinstance(exc, NoWorkersError):
+                raise APIError(503, f"no worker replica is available: {exc}", None, "no_workers") from None
+            raise exc
+        self.route_rpc_ms.append((time.perf_counter() - start) * 1e3)
+        return pair
+
+    async def _report_failure(self, pair: Any, cause: BaseException) -> None:
+        """Tell the router which replica is gone so that the next pair avoids it."""
+        dead = []
+        if isinstance(cause, PrefillFailedError) and cause.prefill_dead:
+            dead.append((cause.prefill_id, "prefill"))
+        elif _is_dead(cause):
+            dead.append((pair.decode.worker_id, "decode"))
+        for worker_id, pool in dead:
+            try:
+                await asyncio.wait_for(self.router.report_dead.remote(worker_id, pool), 10)
+            except Exception:  # noqa: BLE001 - the router's own polling purges it too
+                logger.debug("report_dead(%s) failed", worker_id, exc_info=True)
+
+    def _finish_pair(self, pair: Any, clock: RequestClock) -> None:
+        timing = clock.timing()  # TTFT concerns the prefill pool, ITL the decode pool: both get both
+        for worker_id, pool in ((pair.prefill.worker_id, "prefill"), (pair.decode.worker_id, "decode")):
+            task = asyncio.ensure_future(self.router.finish.remote(worker_id, pool=pool, timing=timing))
+            self._finishing.add(task)
+            task.add_done_callback(self._finishing.discard)
+

@@ -1,0 +1,60 @@
+"""kv_transfer: move KV pages from a prefill replica's pool into a decode replica's pool.
+
+Data flow of one handoff and who owns each stage:
+
+    decode replica                                    prefill replica
+    KVTransferBackend(name, kv buffers, page_size)    KVTransferBackend(name, kv buffers, page_size)
+        info() ───────── PeerInfo (via Ray) ────────▶ connect(decode_info)
+        connect(prefill_info) ◀──── PeerInfo ──────── info()
+    allocates dst pages (engine), then
+        expect(prefill, dst_pages, id) ─ dst_pages ─▶ computes the prompt (engine), then
+                                                      write(decode, src_pages, dst_pages, id)
+        await wait(handle, timeout) ◀── KV bytes ──── await wait(handle, timeout)
+    decode continues from the handed-over pages       frees (or caches) its src pages
+
+The engines own the pages on both sides and free them; backends only register the buffers
+once, describe them (KVLayout, PeerInfo: frozen, picklable) and move bytes. `wait` always
+releases the handle; failures raise KVTransferError, time-outs KVTransferTimeout.
+Layer-by-layer pipelining: one write/expect per layer group under distinct transfer ids, with
+`buffer_ids=layer_buffer_ids(layers, num_layers)`; on GPU a NIXL write waits (without
+blocking) for the kernels queued before it, so it can be issued right after a layer's kernels.
+
+Backends (registry below, imported lazily): "nixl" (UCX; GPU or host memory) in nixl.py,
+"nccl" (2-rank NCCL communicator per pair; GPU only) in nccl.py. The contract is in base.py.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any, Sequence
+
+from cluster.kv_transfer.base import (KVLayout, KVTransferBackend, KVTransferError, KVTransferTimeout,  # noqa: F401
+                                      PageRun, PeerInfo, TransferHandle, TransferStatus, page_runs,
+                                      transfer_digest)
+
+_BACKENDS = {
+    "nixl": ("cluster.kv_transfer.nixl", "NixlBackend"),
+    "nccl": ("cluster.kv_transfer.nccl", "NcclBackend"),
+}
+
+
+def available_backends() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def make_backend(name: str, agent_name: str, buffers: Sequence[Any], page_size: int,
+                 **kwargs: Any) -> KVTransferBackend:
+    """Build backend `name` over `buffers` (registered once; they must outlive the backend)."""
+    if name not in _BACKENDS:
+        raise KVTransferError(f"unknown KV transfer backend {name!r}; available: {available_backends()}")
+    module, cls = _BACKENDS[name]
+    return getattr(importlib.import_module(module), cls)(agent_name, buffers, page_size, **kwargs)
+
+
+def kv_pool_buffers(pool: Any) -> list[Any]:
+    """A KVPool's buffers in transfer order: K of every layer, then V of every layer."""
+    return list(pool.k_buffers) + list(pool.v_buffers)
+
+
+def layer_buffer_ids(layers: Sequence[int], num_layers: int) -> list[int]:
+    """Ids (in kv_pool_buffers order) of the K and V buffers of `layers`: for layer-by-layer writes."""
+    return [layer for layer in layers] + [num_layers + layer for layer in layers]

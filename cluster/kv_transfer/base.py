@@ -1,0 +1,364 @@
+"""The KV transfer contract: layout, peer description, handles, errors, and the backend ABC.
+
+A replica's KV memory is `num_buffers` (= 2 × num_layers: every layer's K then V buffer)
+contiguous tensors of identical shape (num_slots, num_kv_heads, head_dim). Page p is slots
+[p*page_size, (p+1)*page_size), i.e. bytes [p*page_bytes, (p+1)*page_bytes) of EVERY buffer.
+Page 0 is reserved by the engine (padding sink) and is never transferred.
+
+A handoff moves src pages of the writer (prefill) into dst pages of the receiver (decode),
+pairwise (src_pages[i] → dst_pages[i]) in every buffer. Runs of pages consecutive on both
+sides travel as one region per buffer per run (`page_runs`).
+
+Ownership: the pages on both sides belong to their engines. A backend never frees pages. A
+transfer that failed or timed out leaves the dst pages' contents undefined; the receiver may
+reuse them only once the writer released its write handle (or is known to be dead): a writer
+still running could otherwise land data in pages that were handed to another request.
+Registered buffers must stay where they are: never pickle them through torch.multiprocessing
+(it moves a CPU tensor's storage into shared memory, away from the registered address).
+"""
+from __future__ import annotations
+
+import abc
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+
+class KVTransferError(RuntimeError):
+    """Bad input (page ids, layouts, unknown peers) or a transfer that failed."""
+
+
+class KVTransferTimeout(KVTransferError):
+    """A transfer did not finish within its bound; its handle has been released."""
+
+
+class TransferStatus(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The shape of one replica's KV memory as a transfer sees it (picklable).
+
+    Two sides are compatible when everything but `num_pages` and the device matches.
+    """
+
+    num_buffers: int
+    """Number of registered buffers (2 × num_layers for a KVPool: K0..K{L-1}, V0..V{L-1})."""
+    num_pages: int
+    """Pages per buffer (page 0 included, never transferred)."""
+    page_size: int
+    """Tokens (slots) per page."""
+    page_bytes: int
+    """Bytes of one page in one buffer: page_size × num_kv_heads × head_dim × element size."""
+    dtype: str
+    """Element type of the buffers, e.g. "torch.bfloat16"."""
+    device: str
+    """"cpu" or "cuda:<index>" (the index as the owning process numbers its devices)."""
+
+    @classmethod
+    def of(cls, buffers: Sequence[torch.Tensor], page_size: int) -> "KVLayout":
+        """Validate `buffers` (same shape/dtype/device, contiguous, num_slots divisible by page_size)."""
+        if not buffers:
+            raise KVTransferError("no KV buffers given")
+        if page_size < 1:
+            raise KVTransferError(f"page_size must be >= 1, got {page_size}")
+        first = buffers[0]
+        for i, buf in enumerate(buffers):
+            if (buf.shape, buf.dtype, buf.device) != (first.shape, first.dtype, first.device):
+                raise KVTransferError(f"buffer {i} is {tuple(buf.shape)} {buf.dtype} on {buf.device}; buffer 0 is "
+                                      f"{tuple(first.shape)} {first.dtype} on {first.device}: all must match")
+            if not buf.is_contiguous():
+                raise KVTransferError(f"buffer {i} is not contiguous")
+        num_slots = first.shape[0]
+        if num_slots % page_size or num_slots < 2 * page_size:
+            raise KVTransferError(f"num_slots={num_slots} must be a multiple of page_size={page_size} "
+                                  f"holding at least 2 pages")
+        page_bytes = first[:page_size].numel() * first.element_size()
+        return cls(num_buffers=len(buffers), num_pages=num_slots // page_size, page_size=page_size,
+                   page_bytes=page_bytes, dtype=str(first.dtype), device=str(first.device))
+
+    def check_compatible(self, other: "KVLayout", peer: str) -> None:
+        """Raise KVTransferError naming every field in which `other` (peer's layout) differs."""
+        diffs = [f"{name}: local {getattr(self, name)!r} vs peer {getattr(other, name)!r}"
+                 for name in ("num_buffers", "page_size", "page_bytes", "dtype")
+                 if getattr(self, name) != getattr(other, name)]
+        if diffs:
+            raise KVTransferError(f"KV layout of peer {peer!r} does not match: " + "; ".join(diffs))
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """What a peer needs to reach this backend (picklable: travels through Ray calls).
+
+    `instance` changes whenever a backend is re-created under the same name, so a peer that
+    reconnects is told apart from the one it replaced.
+    """
+
+    name: str
+    backend: str
+    """Registry name of the backend that produced it ("nixl" | "nccl")."""
+    layout: KVLayout
+    instance: str
+    buffer_addrs: Tuple[int, ...] = ()
+    """nixl: base address of every buffer, in buffer order."""
+    agent_metadata: bytes = b""
+    """nixl: the agent's metadata (`get_agent_metadata()`)."""
+    store_addr: Tuple[str, int] = ("", 0)
+    """nccl: host and port of this side's TCPStore (rendezvous for pairs it leads)."""
+
+
+@dataclass(frozen=True)
+class PageRun:
+    """`length` pages src_start.. (writer) → dst_start.. (receiver), consecutive on both sides."""
+
+    src_start: int
+    dst_start: int
+    length: int
+
+
+def as_pages(pages: Any, name: str) -> np.ndarray:
+    """Page ids (list, tuple, numpy or torch) → (n,) int64 numpy array; rejects non-integer input."""
+    arr = pages.detach().cpu().numpy() if isinstance(pages, torch.Tensor) else np.asarray(pages)
+    if arr.ndim != 1:
+        raise KVTransferError(f"{name} must be a 1-D list of page ids, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise KVTransferError(f"{name} must hold integers, got {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+def check_pages(pages: np.ndarray, num_pages: int, name: str, *, unique: bool) -> None:
+    """Every id in [1, num_pages) (page 0 is reserved), non-empty, and distinct when `unique`."""
+    if pages.size == 0:
+        raise KVTransferError(f"{name} is empty: a transfer moves at least one page")
+    bad = pages[(pages < 1) | (pages >= num_pages)]
+    if bad.size:
+        raise KVTransferError(f"{name} holds page ids outside [1, {num_pages}) (page 0 is reserved): "
+                              f"{bad[:8].tolist()}")
+    if unique and np.unique(pages).size != pages.size:
+        raise KVTransferError(f"{name} holds duplicate page ids")
+
+
+def page_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> list[PageRun]:
+    """Split the pairing src_pages[i] → dst_pages[i] into maximal runs consecutive on both sides."""
+    if src_pages.shape != dst_pages.shape:
+        raise KVTransferError(f"src_pages ({src_pages.size}) and dst_pages ({dst_pages.size}) differ in length")
+    if src_pages.size == 0:
+        return []
+    breaks = np.flatnonzero((np.diff(src_pages) != 1) | (np.diff(dst_pages) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [src_pages.size]))
+    return [PageRun(int(src_pages[s]), int(dst_pages[s]), int(e - s)) for s, e in zip(starts, ends)]
+
+
+def transfer_digest(dst_pages: np.ndarray, buffer_ids: np.ndarray) -> int:
+    """A checksum of (dst pages, buffer ids): both sides compare it to catch a writer/receiver mix-up."""
+    import zlib
+
+    return zlib.crc32(np.ascontiguousarray(dst_pages, dtype=np.int64).tobytes() + b"|"
+                      + np.ascontiguousarray(buffer_ids, dtype=np.int64).tobytes())
+
+
+@dataclass(eq=False)
+class TransferHandle:
+    """One side of one transfer, owned by the backend that made it (not picklable).
+
+    Every handle must be released (`release`, or `wait`, which always releases it).
+    """
+
+    transfer_id: str
+    peer: str
+    role: str
+    """"write" (writer side) or "expect" (receiver side)."""
+    num_pages: int
+    nbytes: int
+    """Payload bytes: num_pages × page_bytes × len(buffer_ids)."""
+    buffer_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """(k,) int64: the buffers this transfer moves (all of them unless the caller chose some)."""
+    started: float = field(default_factory=time.monotonic)
+    error: Optional[str] = None
+    """Why the transfer failed (set when poll returns FAILED)."""
+    released: bool = False
+    state: Any = None
+    """Backend-private state (native handles, works)."""
+
+
+class KVTransferBackend(abc.ABC):
+    """Moves KV pages between two replicas' registered buffers.
+
+    Contract: `__init__` registers `buffers` once (they must outlive the backend); `info()` is
+    sent to peers, which pass it to `connect()`; both sides connect to each other before the
+    first transfer. The writer calls `write`, the receiver `expect` with the same transfer_id
+    and the same dst pages; each polls its own handle until DONE or FAILED and releases it.
+    Transfer ids are unique per (peer, direction) among unreleased handles. No method waits for
+    the peer (NCCL's first transfer of a pair excepted: it creates the communicator); a backend
+    and its handles belong to one thread (the replica's event loop).
+    """
+
+    name: str = ""
+
+    def __init__(self, agent_name: str, buffers: Sequence[torch.Tensor], page_size: int):
+        if not agent_name:
+            raise KVTransferError("agent_name must be a non-empty string")
+        self.agent_name = agent_name
+        self.buffers = list(buffers)
+        self.layout = KVLayout.of(self.buffers, page_size)
+        self._peers: dict[str, PeerInfo] = {}
+        self._live: dict[tuple[str, str], TransferHandle] = {}
+        """(role, transfer_id) → unreleased handle."""
+
+    # ---- the interface
+    @abc.abstractmethod
+    def info(self) -> PeerInfo:
+        """What a peer needs to reach this backend."""
+
+    def connect(self, peer: PeerInfo) -> None:
+        """Make `peer` known (idempotent; reconnecting with a new instance replaces the old one)."""
+        if peer.backend != self.name:
+            raise KVTransferError(f"peer {peer.name!r} uses backend {peer.backend!r}, this side {self.name!r}")
+        if peer.name == self.agent_name:
+            raise KVTransferError(f"peer name {peer.name!r} is this agent's own name")
+        self.layout.check_compatible(peer.layout, peer.name)
+        known = self._peers.get(peer.name)
+        if known is not None and known.instance == peer.instance:
+            return
+        if known is not None:
+            self._disconnect(known)
+        self._connect(peer)
+        self._peers[peer.name] = peer
+
+    def write(self, peer: str, src_pages: Any, dst_pages: Any, transfer_id: str,
+              buffer_ids: Optional[Sequence[int]] = None) -> TransferHandle:
+        """Start writing local src_pages into the peer's dst_pages (asynchronous; writer side).
+
+        `buffer_ids` limits the transfer to those buffers (e.g. `layer_buffer_ids` of the layers
+        computed so far, for layer-by-layer pipelining under distinct transfer ids); the
+        receiver's expect must name the same ones.
+        """
+        info = self._peer(peer)
+        src = as_pages(src_pages, "src_pages")
+        dst = as_pages(dst_pages, "dst_pages")
+        if src.size != dst.size:
+            raise KVTransferError(f"src_pages has {src.size} pages, dst_pages {dst.size}: lengths must match")
+        check_pages(src, self.layout.num_pages, "src_pages", unique=False)
+        check_pages(dst, info.layout.num_pages, "dst_pages", unique=True)
+        handle = self._new_handle("write", peer, transfer_id, src.size, buffer_ids)
+        self._start(handle, lambda: self._start_write(handle, info, src, dst))
+        return handle
+
+    def expect(self, peer: str, dst_pages: Any, transfer_id: str,
+               buffer_ids: Optional[Sequence[int]] = None) -> TransferHandle:
+        """Await the peer's write of transfer_id into local dst_pages (receiver side)."""
+        self._peer(peer)
+        dst = as_pages(dst_pages, "dst_pages")
+        check_pages(dst, self.layout.num_pages, "dst_pages", unique=True)
+        handle = self._new_handle("expect", peer, transfer_id, dst.size, buffer_ids)
+        self._start(handle, lambda: self._start_expect(handle, dst))
+        return handle
+
+    @abc.abstractmethod
+    def poll(self, handle: TransferHandle) -> TransferStatus:
+        """Non-blocking progress check; FAILED sets handle.error. Polling a released handle raises."""
+
+    def release(self, handle: TransferHandle) -> None:
+        """Free the handle's resources; an unfinished transfer is cancelled. Idempotent."""
+        if handle.released:
+            return
+        handle.released = True
+        self._live.pop((handle.role, handle.transfer_id), None)
+        self._release(handle)
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release every live handle, forget every peer, deregister the buffers. Idempotent."""
+
+    async def wait(self, handle: TransferHandle, timeout_s: float) -> None:
+        """Poll `handle` until DONE without blocking the event loop; ALWAYS releases it (also when
+        the awaiting task is cancelled). Polls back off from 0 to 1 ms between tries.
+
+        Raises KVTransferError if it FAILED, KVTransferTimeout if not done within `timeout_s`.
+        """
+        deadline = time.monotonic() + timeout_s
+        delay = 0.0
+        try:
+            while True:
+                status = self.poll(handle)
+                if status is TransferStatus.DONE:
+                    return
+                if status is TransferStatus.FAILED:
+                    raise KVTransferError(f"transfer {handle.transfer_id!r} ({handle.role}, peer {handle.peer!r}) "
+                                          f"failed: {handle.error}")
+                if time.monotonic() >= deadline:
+                    raise KVTransferTimeout(f"transfer {handle.transfer_id!r} ({handle.role}, peer "
+                                            f"{handle.peer!r}) not done after {timeout_s:.3g} s")
+                await asyncio.sleep(delay)
+                delay = min(max(2 * delay, 5e-5), 1e-3)
+        finally:
+            self.release(handle)
+
+    def wait_sync(self, handle: TransferHandle, timeout_s: float) -> None:
+        """`wait` for callers without an event loop (benchmarks, tests)."""
+        asyncio.run(self.wait(handle, timeout_s))
+
+    # ---- helpers for subclasses
+    def _peer(self, peer: str) -> PeerInfo:
+        info = self._peers.get(peer)
+        if info is None:
+            raise KVTransferError(f"unknown peer {peer!r}: call connect() with its PeerInfo first "
+                                  f"(known: {sorted(self._peers)})")
+        return info
+
+    def _new_handle(self, role: str, peer: str, transfer_id: str, num_pages: int,
+                    buffer_ids: Optional[Sequence[int]]) -> TransferHandle:
+        if not isinstance(transfer_id, str) or not transfer_id:
+            raise KVTransferError("transfer_id must be a non-empty string")
+        if (role, transfer_id) in self._live:
+            raise KVTransferError(f"transfer_id {transfer_id!r} is already in flight ({role})")
+        bufs = np.arange(self.layout.num_buffers, dtype=np.int64)
+        if buffer_ids is not None:
+            bufs = as_pages(buffer_ids, "buffer_ids")
+            if bufs.size == 0 or bufs.min() < 0 or bufs.max() >= self.layout.num_buffers:
+                raise KVTransferError(f"buffer_ids must be non-empty ids in [0, {self.layout.num_buffers})")
+            if np.unique(bufs).size != bufs.size:
+                raise KVTransferError("buffer_ids holds duplicates")
+        handle = TransferHandle(transfer_id, peer, role, num_pages, num_pages * self.layout.page_bytes * bufs.size,
+                                buffer_ids=bufs)
+        self._live[(role, transfer_id)] = handle
+        return handle
+
+    def _start(self, handle: TransferHandle, start: Any) -> None:
+        try:
+            start()
+        except BaseException:
+            self.release(handle)
+            raise
+
+    def _check_live(self, handle: TransferHandle) -> None:
+        if handle.released:
+            raise KVTransferError(f"handle of transfer {handle.transfer_id!r} was already released")
+
+    def _release_all(self) -> None:
+        for handle in list(self._live.values()):
+            self.release(handle)
+
+    @abc.abstractmethod
+    def _connect(self, peer: PeerInfo) -> None: ...
+
+    @abc.abstractmethod
+    def _disconnect(self, peer: PeerInfo) -> None: ...
+
+    @abc.abstractmethod
+    def _start_write(self, handle: TransferHandle, peer: PeerInfo, src: np.ndarray, dst: np.ndarray) -> None: ...
+
+    @abc.abstractmethod
+    def _start_expect(self, handle: TransferHandle, dst: np.ndarray) -> None: ...
+
+    @abc.abstractmethod
+    def _release(self, handle: TransferHandle) -> None: ...

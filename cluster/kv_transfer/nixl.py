@@ -1,0 +1,288 @@
+"""NixlBackend: KV pages over NIXL's UCX backend (GPU memory as VRAM_SEG, host memory as DRAM_SEG).
+
+Descriptors are prepared once: locally at start-up, per peer at connect(). Each prepared list
+holds one descriptor per (buffer, page), descriptor index = buffer × num_pages + page, so a
+transfer costs two index arrays; NIXL merges descriptors consecutive on both sides, so a run
+of pages travels as one region per buffer.
+
+    writer (prefill)                                   receiver (decode)
+    write(peer, src, dst, id) ── UCX WRITE ──────────▶ buffers[b][dst pages]
+        poll: check_xfer_state                         expect(peer, dst, id)
+              └── notification "kv|<id>|<crc>" ───────▶ poll: DONE once it arrives
+                                                        (and its crc of dst pages and
+                                                        buffer ids matches)
+
+On GPU, write() records a CUDA event on the current stream and the WRITE is posted (by write
+or a later poll) once it completed, so kernels still producing the src pages finish first.
+
+Transports: UCX picks them from `UCX_TLS`. For host memory the backend sets the default
+`cma,tcp,self` when UCX_TLS is unset (shared-memory transports alone cannot reach a peer
+without tcp); GPU memory keeps UCX's own choice (cuda_ipc/NVLink, rdma). Any UCX_* variable
+set in the environment wins. NIXL's progress thread is on: without it, progress happens only
+in poll, and a WRITE (host memory, UCX 1.5.1) completes only while the receiver polls as well.
+`RADIXSERVE_NIXL_PROGRESS_THREAD=0` turns it off (faster on a 2-core host when both sides poll).
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from cluster.kv_transfer.base import (KVTransferBackend, KVTransferError, PeerInfo, TransferHandle,
+                                      TransferStatus, transfer_digest)
+
+logger = logging.getLogger(__name__)
+
+_NOTIF_PREFIX = b"kv|"
+_STALE_NOTIF_S = 600.0
+"""Notifications nobody expects (the expect was released first) are dropped after this long."""
+DEFAULT_CPU_UCX_TLS = "cma,tcp,self"
+
+
+@dataclass
+class _Write:
+    """Writer-side state of one transfer."""
+
+    local: np.ndarray
+    """(len(buffer_ids) × n,) int32 indices into the local prepared descriptors."""
+    remote: np.ndarray
+    """(len(buffer_ids) × n,) int32 indices into the peer's prepared descriptors."""
+    notif: bytes
+    ready: Any = None
+    """CUDA event recorded at write(): posting waits for it (None for host memory)."""
+    xfer: Any = None
+    """The NIXL transfer handle, once posted."""
+
+
+@dataclass
+class _Expect:
+    """Receiver-side state of one transfer."""
+
+    digest: int
+    """transfer_digest of the expected dst pages and buffers; the writer's notification must match."""
+    done: bool = False
+
+
+def import_nixl() -> Any:
+    """The NIXL Python API module, whichever wheel is installed (meta package, else the wheel matching
+    torch's CUDA major version, else the other one)."""
+    cu = ["nixl_cu12._api", "nixl_cu13._api"]
+    if not (torch.version.cuda or "").startswith("12"):
+        cu.reverse()
+    errors = []
+    for name in ["nixl._api", *cu]:
+        try:
+            return importlib.import_module(name)
+        except ImportError as e:
+            errors.append(f"{name}: {e}")
+    raise KVTransferError("NIXL is not installed (pip install nixl-cu13, or nixl-cu12 for CUDA 12): "
+                          + "; ".join(errors))
+
+
+def _descriptor_rows(addrs: Sequence[int], page_bytes: int, num_pages: int, device: str) -> np.ndarray:
+    """(num_buffers, 5) int64 strided rows: (base, page_bytes, device id, stride, num_pages)."""
+    dev_id = torch.device(device).index or 0
+    return np.array([(a, page_bytes, dev_id, page_bytes, num_pages) for a in addrs], dtype=np.int64)
+
+
+def _mem_type(device: str) -> str:
+    return "DRAM" if device == "cpu" else "VRAM"
+
+
+def _indices(pages: np.ndarray, buffer_ids: np.ndarray, num_pages: int) -> np.ndarray:
+    """(len(buffer_ids) × n,) int32 descriptor indices, buffer-major, page order kept within a buffer."""
+    return (buffer_ids[:, None] * num_pages + pages[None, :]).ravel().astype(np.int32)
+
+
+class NixlBackend(KVTransferBackend):
+    name = "nixl"
+
+    def __init__(self, agent_name: str, buffers: Sequence[torch.Tensor], page_size: int,
+                 num_threads: int = 0, capture_telemetry: bool = False):
+        """`num_threads`: UCX backend worker threads (0: NIXL's default); `capture_telemetry` enables
+        `regions()`."""
+        super().__init__(agent_name, buffers, page_size)
+        self._nixl = import_nixl()
+        self._init_env()
+        self._init_agent(num_threads, capture_telemetry)
+        self._init_local_descs()
+        self._instance = uuid.uuid4().hex
+        self._remote_descs: dict[str, Any] = {}
+        self._arrived: dict[tuple[str, str], tuple[int, float]] = {}
+        """(peer, transfer_id) → (digest, arrival time) of notifications not yet matched."""
+        self._abandoned: dict[tuple[str, str], float] = {}
+        """(peer, transfer_id) of expects released before their notification came."""
+        self._pruned = time.monotonic()
+        self._closed = False
+
+    def _init_env(self) -> None:
+        if self.layout.device == "cpu":
+            os.environ.setdefault("UCX_TLS", DEFAULT_CPU_UCX_TLS)
+
+    def _init_agent(self, num_threads: int, capture_telemetry: bool) -> None:
+        # Without the progress thread a WRITE completes only while the receiver polls too.
+        progress = os.environ.get("RADIXSERVE_NIXL_PROGRESS_THREAD", "1") != "0"
+        config = self._nixl.nixl_agent_config(enable_prog_thread=progress, backends=["UCX"],
+                                              num_threads=num_threads, capture_telemetry=capture_telemetry)
+        self.agent = self._nixl.nixl_agent(self.agent_name, config)
+        if "UCX" not in self.agent.backends:
+            raise KVTransferError("NIXL's UCX backend plugin is not available in this installation")
+        self._reg = self.agent.register_memory(self.buffers)
+
+    def _init_local_descs(self) -> None:
+        rows = _descriptor_rows([b.data_ptr() for b in self.buffers], self.layout.page_bytes,
+                                self.layout.num_pages, self.layout.device)
+        self._local_descs = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, mem_type=_mem_type(self.layout.device))
+
+    def info(self) -> PeerInfo:
+        return PeerInfo(name=self.agent_name, backend=self.name, layout=self.layout, instance=self._instance,
+                        buffer_addrs=tuple(b.data_ptr() for b in self.buffers),
+                        agent_metadata=self.agent.get_agent_metadata())
+
+    # ---- peers
+    def _connect(self, peer: PeerInfo) -> None:
+        if len(peer.buffer_addrs) != peer.layout.num_buffers or not peer.agent_metadata:
+            raise KVTransferError(f"PeerInfo of {peer.name!r} lacks NIXL metadata or buffer addresses")
+        try:
+            remote = self.agent.add_remote_agent(peer.agent_metadata)
+        except Exception as e:
+            raise KVTransferError(f"NIXL rejected the metadata of peer {peer.name!r}: {type(e).__name__}: {e}") from e
+        remote = remote.decode() if isinstance(remote, bytes) else remote
+        if remote != peer.name:
+            self.agent.remove_remote_agent(remote)
+            raise KVTransferError(f"NIXL metadata names agent {remote!r}, PeerInfo names {peer.name!r}")
+        rows = _descriptor_rows(peer.buffer_addrs, peer.layout.page_bytes, peer.layout.num_pages, peer.layout.device)
+        try:
+            self._remote_descs[peer.name] = self.agent.prep_xfer_dlist(peer.name, rows,
+                                                                       mem_type=_mem_type(peer.layout.device))
+        except Exception as e:
+            self.agent.remove_remote_agent(peer.name)
+            raise KVTransferError(f"NIXL could not describe the buffers of peer {peer.name!r}: "
+                                  f"{type(e).__name__}: {e}") from e
+
+    def _disconnect(self, peer: PeerInfo) -> None:
+        for handle in [h for h in self._live.values() if h.peer == peer.name]:
+            self.release(handle)
+        descs = self._remote_descs.pop(peer.name, None)
+        try:
+            if descs is not None:
+                descs.release()
+            self.agent.remove_remote_agent(peer.name)
+        except Exception as e:  # a peer that died may already be gone from the agent
+            logger.warning("disconnecting NIXL peer %r: %s", peer.name, e)
+        self._peers.pop(peer.name, None)
+
+    # ---- transfers
+    def _start_write(self, handle: TransferHandle, peer: PeerInfo, src: np.ndarray, dst: np.ndarray) -> None:
+        notif = _NOTIF_PREFIX + f"{handle.transfer_id}|{transfer_digest(dst, handle.buffer_ids)}".encode()
+        write = _Write(_indices(src, handle.buffer_ids, self.layout.num_pages),
+                       _indices(dst, handle.buffer_ids, peer.layout.num_pages), notif)
+        if self.layout.device != "cpu":  # post once the work queued so far (the src pages' producer) is done
+            write.ready = torch.cuda.Event()
+            write.ready.record(torch.cuda.current_stream(self.buffers[0].device))
+        handle.state = write
+        self._post(handle)
+
+    def _post(self, handle: TransferHandle) -> None:
+        write: _Write = handle.state
+        if write.ready is not None and not write.ready.query():
+            return
+        try:  # runtime failures (peer gone) surface through poll/wait, like those after posting
+            write.xfer = self.agent.make_prepped_xfer("WRITE", self._local_descs, write.local,
+                                                      self._remote_descs[handle.peer], write.remote, write.notif)
+            if self.agent.transfer(write.xfer) == "ERR":
+                handle.error = "NIXL could not post the WRITE"
+        except Exception as e:  # the bindings raise their own exception types (nixl*Error)
+            handle.error = f"NIXL could not post the WRITE: {type(e).__name__}: {e}"
+
+    def _start_expect(self, handle: TransferHandle, dst: np.ndarray) -> None:
+        handle.state = _Expect(transfer_digest(dst, handle.buffer_ids))
+        self._abandoned.pop((handle.peer, handle.transfer_id), None)
+
+    def poll(self, handle: TransferHandle) -> TransferStatus:
+        self._check_live(handle)
+        if handle.error is not None:
+            return TransferStatus.FAILED
+        if handle.role == "write":
+            if handle.state.xfer is None:
+                self._post(handle)
+                if handle.state.xfer is None or handle.error is not None:
+                    return TransferStatus.FAILED if handle.error is not None else TransferStatus.PENDING
+            try:
+                state = self.agent.check_xfer_state(handle.state.xfer)
+            except Exception as e:
+                state, handle.error = "ERR", f"{type(e).__name__}: {e}"
+            if state == "DONE":
+                return TransferStatus.DONE
+            if state == "ERR":
+                handle.error = handle.error or "NIXL reported a transfer error (peer gone or unreachable?)"
+                return TransferStatus.FAILED
+            return TransferStatus.PENDING
+        if handle.state.done:
+            return TransferStatus.DONE
+        try:
+            self._drain_notifs()
+        except Exception as e:  # the bindings raise their own exception types
+            handle.error = f"reading NIXL notifications failed: {type(e).__name__}: {e}"
+            return TransferStatus.FAILED
+        arrived = self._arrived.pop((handle.peer, handle.transfer_id), None)
+        if arrived is None:
+            return TransferStatus.PENDING
+        if arrived[0] != handle.state.digest:
+            handle.error = "the writer's dst pages or buffers differ from the expected ones (digest mismatch)"
+            return TransferStatus.FAILED
+        handle.state.done = True
+        return TransferStatus.DONE
+
+    def regions(self, handle: TransferHandle) -> int:
+        """Memory regions NIXL moved for a DONE, unreleased write (after merging consecutive
+        descriptors): len(buffer_ids) × page runs. Needs capture_telemetry=True."""
+        self._check_live(handle)
+        if handle.role != "write" or handle.state.xfer is None:
+            raise KVTransferError("regions() needs a posted write handle")
+        return int(self.agent.get_xfer_telemetry(handle.state.xfer).descCount)
+
+    def _drain_notifs(self) -> None:
+        now = time.monotonic()
+        for peer, messages in self.agent.get_new_notifs().items():
+            for msg in messages:
+                if not msg.startswith(_NOTIF_PREFIX):
+                    continue
+                transfer_id, _, digest = msg[len(_NOTIF_PREFIX):].decode().rpartition("|")
+                key = (peer, transfer_id)
+                if self._abandoned.pop(key, None) is None:
+                    self._arrived[key] = (int(digest), now)
+        if now - self._pruned > _STALE_NOTIF_S / 10:
+            self._pruned = now
+            self._arrived = {k: v for k, v in self._arrived.items() if now - v[1] < _STALE_NOTIF_S}
+            self._abandoned = {k: t for k, t in self._abandoned.items() if now - t < _STALE_NOTIF_S}
+
+    def _release(self, handle: TransferHandle) -> None:
+        if handle.role == "expect":
+            key = (handle.peer, handle.transfer_id)
+            unfinished = isinstance(handle.state, _Expect) and not handle.state.done and handle.error is None
+            if self._arrived.pop(key, None) is None and unfinished:
+                self._abandoned[key] = time.monotonic()  # its notification, if it comes, is dropped
+            return
+        if handle.state is not None and handle.state.xfer is not None:
+            try:
+                handle.state.xfer.release()
+            except Exception as e:  # NIXL could not cancel an active transfer; it retries at agent teardown
+                logger.warning("releasing NIXL transfer %r: %s", handle.transfer_id, e)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._release_all()
+        for peer in list(self._peers.values()):
+            self._disconnect(peer)
+        self._local_descs.release()
+        self.agent.deregister_memory(self._reg)

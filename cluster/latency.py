@@ -1,0 +1,101 @@
+"""TTFT and ITL per pool: measured by the ingress, gathered by the router, read by the scaler.
+
+    ingress ClusterBackend.generate_stream: RequestClock.on_chunk per message from the worker
+        └─ finish(worker_id, ..., timing=RequestClock.timing())   (rides on the finish RPC it sends anyway)
+    RouterDeployment.finish ─▶ PoolScaler.observe(pool, timing) ─▶ PoolLatency of that pool:
+        a window of recent samples (p90 for autoscaling, LATENCY_WINDOW_S) and cumulative
+        histogram buckets (exported by the ingress /metrics as radixserve_pool_* histograms)
+
+Source choice: the ingress is where a client's tokens arrive, so its clock is what users see,
+and the router sees every ingress replica's requests (one histogram per pool for the cluster).
+TTFT is measured from the routing call to the first message with tokens; ITL is the request's
+mean gap between token messages ((t_last - t_first) / (messages - 1)), one sample per request.
+TTFT belongs to the pool that computes prompts (unified or prefill), ITL to the pool that decodes
+(unified or decode).
+"""
+import bisect
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import Any, Deque, Iterable, List, Optional, Tuple
+
+BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+"""Histogram upper bounds in seconds (serving/metrics.py uses the same)."""
+LATENCY_WINDOW_S = 10.0
+"""Samples older than this no longer count for the autoscaling p90."""
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """One finished request's latencies, as the ingress saw them."""
+    ttft_ms: Optional[float]
+    """None when no token arrived (failed or aborted before the first)."""
+    itl_ms: Optional[float]
+    """Mean gap between token messages; None with fewer than two."""
+    output_tokens: int = 0
+
+
+class RequestClock:
+    """Ingress side: feed every message (a list of engine.StreamOutput) of one request's stream."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.first: Optional[float] = None
+        self.last: Optional[float] = None
+        self.messages = 0
+        self.tokens = 0
+
+    def on_chunk(self, outputs: Iterable[Any]) -> None:
+        n = sum(len(getattr(o, "new_token_ids", ()) or ()) for o in outputs)
+        if n == 0:
+            return
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        self.last, self.messages, self.tokens = now, self.messages + 1, self.tokens + n
+
+    def timing(self) -> RequestTiming:
+        ttft = None if self.first is None else (self.first - self.start) * 1e3
+        itl = (self.last - self.first) * 1e3 / (self.messages - 1) if self.messages > 1 else None
+        return RequestTiming(ttft, itl, self.tokens)
+
+
+@dataclass
+class Histogram:
+    """Cumulative Prometheus-style histogram (seconds)."""
+    counts: List[int] = field(default_factory=lambda: [0] * (len(BUCKETS_S) + 1))
+    """Per bucket (not cumulative); the last one is +Inf."""
+    total: float = 0.0
+    count: int = 0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(BUCKETS_S, seconds)] += 1
+        self.total += seconds
+        self.count += 1
+
+    def cumulative(self) -> List[Tuple[str, int]]:
+        """[(upper bound as text, cumulative count)], ending with +Inf (prometheus_client's format)."""
+        out, acc = [], 0
+        for bound, c in zip([str(b) for b in BUCKETS_S] + ["+Inf"], self.counts):
+            acc += c
+            out.append((bound, acc))
+        return out
+
+
+class LatencyWindow:
+    """Recent samples (for a p90) plus a cumulative histogram of everything observed."""
+
+    def __init__(self, window_s: float = LATENCY_WINDOW_S, maxlen: int = 4096):
+        self.window_s = window_s
+        self.samples: Deque[Tuple[float, float]] = collections.deque(maxlen=maxlen)
+        self.histogram = Histogram()
+
+    def observe(self, ms: float, now: Optional[float] = None) -> None:
+        self.samples.append((time.monotonic() if now is None else now, ms))
+        self.histogram.observe(ms / 1e3)
+
+    def recent(self, now: Optional[float] = None) -> List[float]:
+        now = time.monotonic() if now is None else now
+        while self.samples and now - self.samples[0][0] > self.window_s:
+            self.samples.popleft()
+        return [v for _, v in self.samples]

@@ -1,0 +1,38 @@
+{{/*
+Rules values.schema.json cannot express; each failure names the values to change.
+Included once, at the top of rayservice.yaml.
+*/}}
+{{- define "radixserve.validate" -}}
+{{- $v := .Values }}
+{{- range $pool, $deployment := include "radixserve.pools" . | fromYaml }}
+{{- $p := index $v.pools $pool }}
+{{- if and $p.autoscaling.enabled (gt (int $p.autoscaling.minReplicas) (int $p.autoscaling.maxReplicas)) }}
+{{- fail (printf "pools.%s.autoscaling: minReplicas (%v) must not exceed maxReplicas (%v)" $pool $p.autoscaling.minReplicas $p.autoscaling.maxReplicas) }}
+{{- end }}
+{{- if and (not (kindIs "invalid" $p.maxPods)) $p.autoscaling.enabled }}
+{{- $minPods := include "radixserve.ceilDiv" (dict "a" $p.autoscaling.minReplicas "b" $p.replicasPerPod) | int }}
+{{- if lt (int $p.maxPods) $minPods }}
+{{- fail (printf "pools.%s.maxPods (%v) is below the %d pods that autoscaling.minReplicas needs" $pool $p.maxPods $minPods) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- $managed := dict
+  "mode" "mode" "model" "model.path" "served_model_name" "model.servedName" "policy" "policy"
+  "num_cpus" "replica.numCpus" "num_gpus" "replica.numGpus"
+  "workers" "pools.unified.replicas" "prefill_workers" "pools.prefill.replicas" "decode_workers" "pools.decode.replicas"
+  "autoscaling" "pools.unified.autoscaling" "prefill_autoscaling" "pools.prefill.autoscaling"
+  "decode_autoscaling" "pools.decode.autoscaling"
+  "kv_transfer" "kvTransfer.backend" "kv_transfer_timeout_s" "kvTransfer.timeoutS"
+  "api_key" "auth.apiKey (kept in a Secret)" "admin_api_key" "auth.adminKey (kept in a Secret)" }}
+{{- range $key, $_ := $v.serveArgs }}
+{{- if hasKey $managed $key }}
+{{- fail (printf "serveArgs.%s: the chart sets this ClusterArgs field; set %s instead" $key (index $managed $key)) }}
+{{- end }}
+{{- end }}
+{{- if and $v.auth.apiKey (eq $v.auth.apiKey $v.auth.adminKey) }}
+{{- fail "auth.adminKey must differ from auth.apiKey" }}
+{{- end }}
+{{- if and $v.auth.existingSecret (or $v.auth.apiKey $v.auth.adminKey) }}
+{{- fail "auth.existingSecret is set: leave auth.apiKey and auth.adminKey empty (the keys come from that Secret)" }}
+{{- end }}
+{{- end }}

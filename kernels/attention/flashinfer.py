@@ -1,0 +1,186 @@
+"""FlashInferAttnBackend: paged attention with FlashInfer's kernels (the default on GPU).
+
+The KV pool is used in place as FlashInfer's paged cache with page size 1 (one token per "page"), NHD
+layout: layer l's k_buffers[l] (num_slots, Hkv, D) is viewed as (num_slots, 1, Hkv, D). Each forward:
+
+    init_forward_metadata:  host  kv_indptr = cumsum(seq_lens_cpu), qo_indptr = cumsum(extend_seq_lens_cpu)
+                            device kv_indices = req_to_token rows flattened (one Triton launch, no sync)
+                            plan() of the decode or the prefill wrapper (FlashInfer's host-side scheduling)
+    forward (per layer):    store the new K/V (Triton store_kv), then
+                            EXTEND  BatchPrefillWithPagedKVCacheWrapper.run: causal over [cached prefix |
+                                    new tokens], the query rows aligned to the end of each request's KV
+                            DECODE  BatchDecodeWithPagedKVCacheWrapper.run
+
+CUDA graphs: one decode wrapper per captured batch size, in FlashInfer's CUDA-graph mode (fixed indptr /
+last-page-len buffers and one shared indices buffer); capture plans it with plan(), replay re-plans it with
+the real lengths through fast_decode_plan (no Python-side checks, no extra copies).
+
+Only fp16 / bf16 are served (FlashInfer has no float32 kernels): float32 models use the Triton backend.
+flashinfer is imported when the backend is built, never at `import kernels`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+
+from kernels.attention.base import AttentionBackend, ForwardBatchLike
+
+WORKSPACE_BYTES = 256 << 20
+"""FlashInfer's float workspace (split-KV partial results), shared by every wrapper of one backend."""
+
+
+@dataclass
+class _GraphState:
+    wrapper: object
+    """BatchDecodeWithPagedKVCacheWrapper in CUDA-graph mode for this batch size."""
+    indptr: torch.Tensor
+    """(bs + 1,) int32, device — the wrapper's fixed indptr buffer."""
+    last_page_len: torch.Tensor
+    """(bs,) int32, device — all ones (page size 1)."""
+    last_page_len_host: torch.Tensor
+    """(bs,) int32, host — the same ones, for the planner."""
+
+
+class FlashInferAttnBackend(AttentionBackend):
+    """See AttentionBackend for the shapes of `forward`."""
+
+    supports_cuda_graph = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        import flashinfer  # noqa: PLC0415
+
+        self._fi = flashinfer
+        device = self.req_to_token.device
+        if device.type != "cuda":
+            raise ValueError("the flashinfer attention backend needs a CUDA device; use torch_native on CPU")
+        k_buf, _ = self.kv_pool.get_kv_buffer(0)
+        self.dtype = k_buf.dtype
+        if self.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"the flashinfer attention backend serves float16 / bfloat16 KV, not {self.dtype}; "
+                             "use attention_backend='triton' for float32")
+        self.device = device
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        # Tensor-core decode pays off for wide GQA groups (as in SGLang: group >= 4).
+        self.decode_tensor_cores = self.num_heads // self.num_kv_heads >= 4
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
+        self.decode_wrapper = self._new_decode_wrapper()
+        self._mode: Optional[str] = None
+        self._meta_batch: Optional[ForwardBatchLike] = None
+        self._active_decode = self.decode_wrapper
+        self._graphs: Dict[int, _GraphState] = {}
+        self._graph_indices: Optional[torch.Tensor] = None
+
+    def _new_decode_wrapper(self, graph: Optional[_GraphState] = None, indices: Optional[torch.Tensor] = None):
+        kwargs = dict(use_tensor_cores=self.decode_tensor_cores, backend="fa2")
+        if graph is not None:
+            kwargs.update(use_cuda_graph=True, paged_kv_indptr_buffer=graph.indptr,
+                          paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=graph.last_page_len)
+        return self._fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", **kwargs)
+
+    # ---- metadata ----------------------------------------------------------------------------
+    def _kv_indices(self, batch: ForwardBatchLike, kv_indptr_host: torch.Tensor,
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        from kernels.triton.fused_layers import build_kv_indices  # noqa: PLC0415
+
+        total = int(kv_indptr_host[-1])
+        if out is None:
+            out = torch.empty(max(total, 1), dtype=torch.int32, device=self.device)
+        indptr = kv_indptr_host.to(self.device, non_blocking=True)
+        return build_kv_indices(self.req_to_token, batch.req_pool_indices, batch.seq_lens, indptr, out)[:total]
+
+    def _plan_kwargs(self) -> dict:
+        return dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
+
+    def init_forward_metadata(self, batch: ForwardBatchLike) -> None:
+        bs = batch.batch_size
+        kv_indptr = _indptr(batch.seq_lens_cpu)
+        kv_indices = self._kv_indices(batch, kv_indptr)
+        last_page_len = torch.ones(bs, dtype=torch.int32)
+        if _is_decode(batch):
+            self.decode_wrapper.plan(kv_indptr, kv_indices, last_page_len, self.num_heads, self.num_kv_heads,
+                                     self.head_dim, 1, **self._plan_kwargs())
+            self._mode, self._active_decode = "decode", self.decode_wrapper
+        else:
+            qo_indptr = _indptr(batch.extend_seq_lens_cpu)
+            self.prefill_wrapper.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, self.num_heads,
+                                      self.num_kv_heads, self.head_dim, 1, causal=True, **self._plan_kwargs())
+            self._mode = "extend"
+        self._meta_batch = batch
+
+    def init_forward_metadata_capture(self, batch: ForwardBatchLike) -> None:
+        """A CUDA-graph decode wrapper for batch.batch_size, planned on the batch's current lengths."""
+        bs = batch.batch_size
+        if self._graph_indices is None:
+            # Room for every captured batch at full context: rows of req_to_token are context-wide.
+            self._graph_indices = torch.zeros(self.req_to_token.shape[0] * self.req_to_token.shape[1],
+                                              dtype=torch.int32, device=self.device)
+        state = _GraphState(None, torch.zeros(bs + 1, dtype=torch.int32, device=self.device),
+                            torch.ones(bs, dtype=torch.int32, device=self.device), torch.ones(bs, dtype=torch.int32))
+        state.wrapper = self._new_decode_wrapper(state, self._graph_indices)
+        self._graphs[bs] = state
+        self._plan_graph(state, batch)
+
+    def init_forward_metadata_replay(self, batch: ForwardBatchLike) -> None:
+        """Re-plan the graph's wrapper for the real lengths, the lean way (FlashInfer's fast_decode_plan, as
+        SGLang does): indptr is copied and kv indices are built straight into the wrapper's fixed buffers,
+        then only FlashInfer's C++ planner runs (split-KV work lists in its int workspace)."""
+        from flashinfer.decode import fast_decode_plan  # noqa: PLC0415
+
+        state = self._graphs[batch.batch_size]
+        kv_indptr = _indptr(batch.seq_lens_cpu)
+        total = int(kv_indptr[-1])
+        if total > self._graph_indices.numel():
+            raise RuntimeError(f"decode batch needs {total} KV indices, graph buffer holds {self._graph_indices.numel()}")
+        from kernels.triton.fused_layers import build_kv_indices  # noqa: PLC0415
+
+        state.indptr.copy_(kv_indptr, non_blocking=True)
+        build_kv_indices(self.req_to_token, batch.req_pool_indices, batch.seq_lens, state.indptr, self._graph_indices)
+        fast_decode_plan(state.wrapper, state.indptr, self._graph_indices[:total], state.last_page_len_host,
+                         self.num_heads, self.num_kv_heads, self.head_dim, 1, global_override_indptr_cpu=kv_indptr,
+                         **self._plan_kwargs())
+        self._mode, self._active_decode, self._meta_batch = "decode", state.wrapper, batch
+
+    def _plan_graph(self, state: _GraphState, batch: ForwardBatchLike) -> None:
+        kv_indptr = _indptr(batch.seq_lens_cpu)
+        total = int(kv_indptr[-1])
+        if total > self._graph_indices.numel():
+            raise RuntimeError(f"decode batch needs {total} KV indices, graph buffer holds {self._graph_indices.numel()}")
+        # Built into scratch, then plan() copies them into the wrapper's fixed buffer (same stream, ordered).
+        kv_indices = self._kv_indices(batch, kv_indptr)
+        state.wrapper.plan(kv_indptr, kv_indices, torch.ones(batch.batch_size, dtype=torch.int32), self.num_heads,
+                           self.num_kv_heads, self.head_dim, 1, **self._plan_kwargs())
+        self._mode, self._active_decode, self._meta_batch = "decode", state.wrapper, batch
+
+    # ---- forward -----------------------------------------------------------------------------
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                batch: ForwardBatchLike) -> torch.Tensor:
+        """q (T, H, D), k/v (T, Hkv, D) -> (T, H, D) in q's dtype; writes k/v at batch.out_cache_loc first."""
+        from kernels.triton.store_kv import store_kv  # noqa: PLC0415
+
+        if self._meta_batch is not batch:
+            self.init_forward_metadata(batch)
+        k_buf, v_buf = self.kv_pool.get_kv_buffer(layer_id)
+        store_kv(k_buf, v_buf, batch.out_cache_loc, k, v)
+        q = q if q.is_contiguous() else q.contiguous()
+        cache = (k_buf.unsqueeze(1), v_buf.unsqueeze(1))  # (num_slots, page_size 1, Hkv, D)
+        if q.shape[0] == 0:
+            return torch.empty_like(q)
+        if self._mode == "decode":
+            return self._active_decode.run(q, cache)
+        return self.prefill_wrapper.run(q, cache)
+
+
+def _indptr(lengths: List[int]) -> torch.Tensor:
+    """(n + 1,) int32 host tensor: 0, then the running sum of `lengths`."""
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    if lengths:
+        torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0, out=out[1:])
+    return out
+
+
+def _is_decode(batch: ForwardBatchLike) -> bool:
+    mode = batch.forward_mode
+    return getattr(mode, "value", mode) == "decode"

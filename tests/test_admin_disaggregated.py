@@ -1,0 +1,80 @@
+"""Acceptance 1, disaggregated: through the admin API, while clients keep sending requests, the
+decode pool goes 1 → 2 replicas while the prefill pool stays at 1, and then the reverse (prefill
+1 → 2 while decode stays at 1). No request fails, the router starts using each new replica, and
+the pool left alone keeps its replica. Own CPU cluster (mode=disaggregated, KV over NIXL in host
+memory). Nothing here asserts on timings.
+"""
+import socket
+
+import httpx
+import pytest
+
+from pools_harness import ADMIN, ADMIN_KEY, API_KEY, Load, running_ids, settle, wait_for
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("nixl_cu13._api")
+from ray import serve  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+APP = "radixserve-disagg-admin-test"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from cluster.app import deployment
+    from cluster.config import ClusterArgs
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+                                       "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1", "UCX_TLS": "tcp,self"}})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    args = ClusterArgs(mode="disaggregated", prefill_workers=1, decode_workers=1, policy="round_robin",
+                       num_cpus=0.5, max_total_tokens=4096, report_interval_s=0.25, api_key=API_KEY,
+                       admin_api_key=ADMIN_KEY, kv_transfer="nixl")
+    serve.run(deployment(args), name=APP, route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def http(cluster):
+    with httpx.Client(base_url=cluster, timeout=120) as client:
+        yield client
+
+
+def _scale(http, pool: str, n: int) -> dict:
+    r = http.post(f"/admin/pools/{pool}/scale", json={"replicas": n}, headers=ADMIN)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _pairs(rids) -> list:
+    decided = serve.get_deployment_handle("Router", APP).decisions.remote().result(timeout_s=30)
+    return [decided[rid].split(">") for rid in rids if rid in decided]
+
+
+@pytest.mark.parametrize("grow, still", [("decode", "prefill"), ("prefill", "decode")])
+def test_scale_one_pool_while_the_other_stays(cluster, http, grow, still):
+    (kept,) = running_ids(settle(http, 1, still))
+    (old,) = running_ids(settle(http, 1, grow))
+    with Load(cluster, clients=3) as load:
+        wait_for(lambda: load.count() >= 3, 180, "first requests")
+        p = _scale(http, grow, 2)
+        assert p["target_replicas"] == 2
+        (new,) = set(running_ids(settle(http, 2, grow))) - {old}
+        mark = load.count()
+        wait_for(lambda: load.count() >= mark + 6, 180, "requests after the new replica joined")
+        pairs = _pairs(load.rids(mark))
+        side = 0 if grow == "prefill" else 1
+        assert new in {pr[side] for pr in pairs}, "the router never used the new replica"
+        assert {pr[1 - side] for pr in pairs} == {kept}
+        other = settle(http, 1, still, timeout=5)
+        assert running_ids(other) == [kept] and other["serve_target_replicas"] == 1
+        _scale(http, grow, 1)  # back, still under load
+        settle(http, 1, grow)
+    assert load.failures() == [], load.failures()[:5]

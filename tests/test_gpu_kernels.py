@@ -1,0 +1,163 @@
+"""Fused layer kernels (kernels/triton/fused_layers.py) against their torch references, and the FlashInfer
+attention backend against TorchNativeAttnBackend.
+
+The fused-layer tests run everywhere: compiled on a GPU, under the Triton interpreter on CPU (small shapes).
+The FlashInfer tests are @pytest.mark.gpu and also skip where flashinfer is not installed.
+
+Tolerances: fp32 kernels compute what torch computes in the same order except the mean of squares (a tree
+sum): 1e-5 relative. bf16: the same roundings as torch, so results differ by at most one bf16 ulp where a
+float32 intermediate lands on the other side of a rounding boundary (2 ** -7 relative). Attention in bf16
+against the float32-accumulating reference: as in test_triton_kernels (P is rounded to bf16 before P @ V).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from engine.forward_batch import ForwardMode  # noqa: E402
+from kernels.triton import fix_interpreter_scalar_index  # noqa: E402
+from kernels.triton import fused_layers as fl  # noqa: E402
+
+fix_interpreter_scalar_index()
+GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if GPU else "cpu")
+# (rows, width) per device: CPU interpreter shapes stay tiny
+ROWS, WIDTH = (300, 4096) if GPU else (5, 48)
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2 ** -7, atol=1e-2)}
+
+
+def randn(*shape, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(dtype=dtype, device=DEVICE)
+
+
+def interp_bf16(dtype) -> bool:
+    """The CPU interpreter truncates float32 -> bf16 where torch rounds: allow one more ulp there."""
+    return not GPU and dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rmsnorm(dtype, with_residual):
+    x = randn(ROWS, WIDTH, dtype=dtype) * 3
+    w = randn(WIDTH, dtype=dtype, seed=1)
+    eps = 1e-5
+    if with_residual:
+        r = randn(ROWS, WIDTH, dtype=dtype, seed=2)
+        y, s = fl.fused_add_rmsnorm(x, r, w, eps)
+        s_ref = x + r
+        exact = dict(rtol=2 ** -7, atol=0) if interp_bf16(dtype) else dict(rtol=0, atol=0)
+        torch.testing.assert_close(s, s_ref, **exact)
+        ref = fl.rmsnorm_reference(s_ref, w, eps)
+    else:
+        y = fl.rmsnorm(x, w, eps)
+        ref = fl.rmsnorm_reference(x, w, eps)
+    tol = dict(rtol=2 ** -6, atol=2e-2) if interp_bf16(dtype) else TOL[dtype]
+    torch.testing.assert_close(y.float(), ref.float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(dtype):
+    x = randn(ROWS, 2 * WIDTH, dtype=dtype) * 2
+    tol = dict(rtol=2 ** -6, atol=2e-2) if interp_bf16(dtype) else TOL[dtype]
+    torch.testing.assert_close(fl.silu_and_mul(x).float(), fl.silu_and_mul_reference(x).float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (32, 8, 128)])
+def test_rope_on_qkv_views(dtype, heads, kv_heads, head_dim):
+    from transformers import LlamaConfig
+
+    from engine.models.layers import RotaryEmbedding
+
+    T = 37
+    qkv = randn(T, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    q = qkv[:, :heads * head_dim].view(T, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(T, kv_heads, head_dim)
+    config = LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         rope_theta=500000.0)
+    rotary = RotaryEmbedding(config, head_dim)
+    positions = torch.randint(0, 5000, (T,), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    cos, sin = rotary.cos_sin(positions, dtype)
+    qo, ko = fl.rope(q, k, cos, sin)
+    assert qo.is_contiguous() and ko.is_contiguous()
+    tol = dict(rtol=2 ** -6, atol=2e-2) if dtype == torch.bfloat16 else TOL[dtype]
+    torch.testing.assert_close(qo.float(), fl.rope_reference(q, cos[:, 0], sin[:, 0]).float(), **tol)
+    torch.testing.assert_close(ko.float(), fl.rope_reference(k, cos[:, 0], sin[:, 0]).float(), **tol)
+    # and the torch path of the model (rounding after each op) agrees within bf16 rounding
+    torch.testing.assert_close(qo.float(), RotaryEmbedding.apply(q, cos, sin).float(), **tol)
+
+
+def test_build_kv_indices():
+    gen = torch.Generator().manual_seed(0)
+    r2t = torch.randint(1, 10 ** 6, (6, 700), generator=gen, dtype=torch.int32).to(DEVICE)
+    rows = torch.tensor([4, 0, 5], device=DEVICE)
+    lens = [600, 1, 513]
+    indptr = torch.tensor([0, 600, 601, 1114], dtype=torch.int32, device=DEVICE)
+    out = torch.full((1114,), -1, dtype=torch.int32, device=DEVICE)
+    fl.build_kv_indices(r2t, rows, torch.tensor(lens, device=DEVICE), indptr, out)
+    ref = torch.cat([r2t[r, :n] for r, n in zip(rows.tolist(), lens)])
+    assert torch.equal(out, ref)
+
+
+# ------------------------------------------------------------------------------------ FlashInfer (GPU)
+
+def _flashinfer_or_skip():
+    if not GPU:
+        pytest.skip("needs a CUDA device")
+    pytest.importorskip("flashinfer")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16])  # fp16 too, but each dtype is one more JIT build
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (9, 3, 64)])
+@pytest.mark.parametrize("mode,seq_lens,prefix_lens", [
+    (ForwardMode.EXTEND, [1000, 70, 2500, 9], [0, 64, 2000, 8]),   # plain prefill, cached prefixes, 1 new token
+    (ForwardMode.DECODE, [4096, 1, 777, 2049], [4095, 0, 776, 2048]),
+])
+def test_gpu_flashinfer_matches_torch_native(dtype, heads, kv_heads, head_dim, mode, seq_lens, prefix_lens):
+    _flashinfer_or_skip()
+    from test_triton_kernels import ATOL, run_backend
+
+    out, k_buf, v_buf = run_backend("flashinfer", mode, seq_lens, prefix_lens, heads, kv_heads, head_dim, dtype)
+    ref, k_ref, v_ref = run_backend("torch_native", mode, seq_lens, prefix_lens, heads, kv_heads, head_dim, dtype)
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert torch.equal(k_buf, k_ref) and torch.equal(v_buf, v_ref)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2 * ATOL[dtype], rtol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_flashinfer_rejects_float32():
+    _flashinfer_or_skip()
+    from engine.memory.kv_pool import KVPool
+    from kernels.attention.base import get_backend_class
+
+    pool = KVPool(16, 1, 2, 64, torch.float32, DEVICE)
+    r2t = torch.zeros(2, 16, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="float32"):
+        get_backend_class("flashinfer")(r2t, pool, 4, 2, 64, 0.125)
+
+
+# ------------------------------------------------------------------------------------ sampling
+
+def test_fused_gumbel_argmax_matches_torch_path():
+    """The fused kernel draws the same tokens as logits + gumbel_noise(...) -> argmax, for many seeds."""
+    from engine.runner.sampler import _row_keys, gumbel_noise
+    from kernels.triton.sampling import gumbel_argmax
+
+    bs, vocab = (64, 128256) if GPU else (8, 3000)
+    logits = randn(bs, vocab, dtype=torch.float32) * 3
+    logits[5, 1000:] = float("-inf")  # a filtered row
+    seeds = torch.randint(0, 2 ** 62, (bs,), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    for step in range(4):
+        steps = torch.full((bs,), step, dtype=torch.int64, device=DEVICE)
+        ref = (logits + gumbel_noise(seeds, steps, vocab)).argmax(dim=-1)
+        ours = gumbel_argmax(logits, _row_keys(seeds, steps).squeeze(1))
+        assert torch.equal(ours, ref)
+        assert int(ours[5]) < 1000

@@ -1,0 +1,281 @@
+"""KV page transfer between two OS processes: NIXL over host memory (CPU), NCCL on 2 GPUs.
+
+The test process runs the writer (prefill side); a spawned child runs the receiver (decode
+side, a pool of a different size). Data is checked page by page on the receiver: dst pages
+hold the writer's src pages, every other page is untouched.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from cluster.kv_transfer import (KVTransferError, KVTransferTimeout, PageRun, TransferStatus, kv_pool_buffers,
+                                 layer_buffer_ids, make_backend, page_runs)
+from kv_transfer_harness import NUM_LAYERS, PAGE_SIZE, PeerProcess, fill, make_pool
+
+WRITER_PAGES, READER_PAGES = 64, 48
+_ids = itertools.count()
+
+
+def _tid() -> str:
+    return f"t{next(_ids)}"
+
+
+def _check_received(received: list[torch.Tensor], sent: list[torch.Tensor], src, dst) -> None:
+    """dst pages equal the sent src pages in every buffer; all other pages are still zero."""
+    for r, s in zip(received, sent, strict=True):
+        r_pages = r.view(-1, PAGE_SIZE, *r.shape[1:])
+        s_pages = s.view(-1, PAGE_SIZE, *s.shape[1:])
+        wrong = [d for d, s_ in zip(dst, src) if not torch.equal(r_pages[d], s_pages[s_])]
+        assert not wrong, f"dst pages {wrong} do not hold their src pages"
+        untouched = torch.ones(r_pages.shape[0], dtype=torch.bool)
+        untouched[list(dst)] = False
+        assert not r_pages[untouched].any()
+
+
+def _random_pages(rng: np.random.Generator, num_pages: int, n: int) -> list[int]:
+    """n distinct pages in [1, num_pages) in random order, with one consecutive run of 5 inside."""
+    start = int(rng.integers(1, num_pages - 5))
+    rest = rng.permutation(np.setdiff1d(np.arange(1, num_pages), np.arange(start, start + 5)))[: n - 5]
+    at = int(rng.integers(0, n - 5))
+    return [int(p) for p in rest[:at]] + list(range(start, start + 5)) + [int(p) for p in rest[at:]]
+
+
+@pytest.fixture(scope="module")
+def nixl_pair():
+    """(writer backend, its buffers, receiver PeerProcess), connected both ways."""
+    pool = make_pool(WRITER_PAGES)
+    buffers = kv_pool_buffers(pool)
+    fill(buffers, seed=1)
+    writer = make_backend("nixl", "prefill-0", buffers, PAGE_SIZE)
+    reader = PeerProcess("nixl", "decode-0", READER_PAGES)
+    try:
+        reader.call("connect", writer.info())
+        writer.connect(reader.call("info"))
+        yield writer, buffers, reader
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_page_runs_coalesce_consecutive_pages_on_both_sides():
+    src = np.array([3, 4, 5, 9, 10, 2])
+    dst = np.array([7, 8, 9, 1, 11, 12])
+    assert page_runs(src, dst) == [PageRun(3, 7, 3), PageRun(9, 1, 1), PageRun(10, 11, 1), PageRun(2, 12, 1)]
+    assert page_runs(np.arange(1, 9), np.arange(20, 28)) == [PageRun(1, 20, 8)]
+    with pytest.raises(KVTransferError, match="differ in length"):
+        page_runs(np.array([1, 2]), np.array([1]))
+
+
+def test_nixl_random_pages_arrive_with_notification(nixl_pair):
+    writer, buffers, reader = nixl_pair
+    rng = np.random.default_rng(0)
+    src = _random_pages(rng, WRITER_PAGES, 30)
+    dst = _random_pages(rng, READER_PAGES, 30)
+    t1, t2 = _tid(), _tid()
+    # Two transfers in flight, expected in one order and written in the other.
+    reader.start_call("expect_many", "prefill-0", [(dst[:20], t1), (dst[20:], t2)], 30.0)
+    handles = [writer.write("decode-0", src[20:], dst[20:], t2), writer.write("decode-0", src[:20], dst[:20], t1)]
+    assert handles[1].nbytes == 20 * writer.layout.page_bytes * writer.layout.num_buffers
+    for handle in handles:
+        asyncio.run(writer.wait(handle, 30.0))
+    reader.finish_call()  # returns only once both notifications arrived
+    assert all(h.released for h in handles) and not writer._live
+    _check_received(reader.call("buffers_cpu"), buffers, src, dst)
+
+    # The notification may also come before the receiver expects it (torch tensors as page lists).
+    free = sorted(set(range(1, READER_PAGES)) - set(dst), reverse=True)
+    src2, dst2 = torch.tensor([60, 61, 62]), torch.tensor(free[:3])  # descending: three runs
+    tid = _tid()
+    writer.wait_sync(writer.write("decode-0", src2, dst2, tid), 30.0)
+    reader.call("expect", "prefill-0", dst2, tid, 30.0)
+    _check_received(reader.call("buffers_cpu"), buffers, src + src2.tolist(), dst + dst2.tolist())
+    assert reader.call("live_handles") == 0
+
+
+def test_nixl_moves_one_region_per_buffer_per_page_run(nixl_pair):
+    _, _, reader = nixl_pair
+    pool = make_pool(16)
+    writer = make_backend("nixl", "prefill-telemetry", kv_pool_buffers(pool), PAGE_SIZE, capture_telemetry=True)
+    try:
+        reader.call("connect", writer.info())
+        writer.connect(reader.call("info"))
+        src, dst = [3, 4, 5, 9, 10, 2], [7, 8, 9, 1, 11, 12]  # runs: 3-5→7-9, 9→1, 10→11, 2→12
+        handle = writer.write("decode-0", src, dst, _tid())
+        while writer.poll(handle) is TransferStatus.PENDING:
+            time.sleep(0.001)
+        assert writer.poll(handle) is TransferStatus.DONE
+        assert writer.regions(handle) == len(page_runs(np.array(src), np.array(dst))) * 2 * NUM_LAYERS
+        writer.release(handle)
+    finally:
+        writer.close()
+
+
+def test_nixl_receiver_rejects_a_write_to_other_pages(nixl_pair):
+    writer, _, reader = nixl_pair
+    tid = _tid()
+    reader.start_call("expect", "prefill-0", [30, 31], tid, 30.0)
+    writer.wait_sync(writer.write("decode-0", [1, 2], [30, 32], tid), 30.0)
+    with pytest.raises(KVTransferError, match="digest mismatch"):
+        reader.finish_call()
+
+
+def test_nixl_layer_by_layer_writes_move_only_their_buffers(nixl_pair):
+    writer, buffers, reader = nixl_pair
+    src, dst = [10, 11, 12, 40], [33, 34, 35, 36]
+    before = reader.call("buffers_cpu")
+    layers = [layer_buffer_ids([layer], NUM_LAYERS) for layer in range(NUM_LAYERS)]
+    assert layers[0] == [0, NUM_LAYERS]
+    tids = [_tid() for _ in layers]
+    reader.start_call("expect_many", "prefill-0", [(dst, tids[0], layers[0])], 30.0)
+    handle = writer.write("decode-0", src, dst, tids[0], buffer_ids=layers[0])
+    assert handle.nbytes == len(src) * writer.layout.page_bytes * 2
+    writer.wait_sync(handle, 30.0)
+    reader.finish_call()
+    after = reader.call("buffers_cpu")
+    for b, (old, new) in enumerate(zip(before, after)):
+        moved = b in layers[0]
+        old, new = old.view(-1, PAGE_SIZE, *old.shape[1:]), new.view(-1, PAGE_SIZE, *new.shape[1:])
+        sent = buffers[b].view(-1, PAGE_SIZE, *buffers[b].shape[1:])
+        assert torch.equal(new[dst], sent[src] if moved else old[dst]), f"buffer {b}"
+        others = [p for p in range(READER_PAGES) if p not in dst]
+        assert torch.equal(new[others], old[others]), f"buffer {b} changed outside the dst pages"
+    rest = [(dst, tid, ids) for tid, ids in zip(tids[1:], layers[1:])]
+    reader.start_call("expect_many", "prefill-0", rest, 30.0)
+    for _, tid, ids in rest:
+        writer.wait_sync(writer.write("decode-0", src, dst, tid, buffer_ids=ids), 30.0)
+    reader.finish_call()
+    for new, sent in zip(reader.call("buffers_cpu"), buffers):
+        r_pages, s_pages = new.view(-1, PAGE_SIZE, *new.shape[1:]), sent.view(-1, PAGE_SIZE, *sent.shape[1:])
+        assert torch.equal(r_pages[dst], s_pages[src])
+
+    # The receiver expects other buffers than the writer writes: caught.
+    tid = _tid()
+    reader.start_call("expect", "prefill-0", [20], tid, 30.0)  # all buffers
+    writer.wait_sync(writer.write("decode-0", [1], [20], tid, buffer_ids=[1]), 30.0)
+    with pytest.raises(KVTransferError, match="digest mismatch"):
+        reader.finish_call()
+    for bad, match in [([], "non-empty"), ([2 * NUM_LAYERS], r"\[0, 4\)"), ([-1], "ids in"), ([1, 1], "duplicates")]:
+        with pytest.raises(KVTransferError, match=match):
+            writer.write("decode-0", [1], [20], _tid(), buffer_ids=bad)
+    assert not writer._live
+
+
+def test_nixl_expect_never_written_times_out_and_releases(nixl_pair):
+    writer, _, reader = nixl_pair
+    with pytest.raises(KVTransferTimeout):
+        reader.call("expect", "prefill-0", [5], _tid(), 0.3)
+    assert reader.call("live_handles") == 0
+    handle = writer.expect("decode-0", [5], _tid())
+    with pytest.raises(KVTransferTimeout):
+        asyncio.run(writer.wait(handle, 0.2))
+    assert handle.released and not writer._live
+    with pytest.raises(KVTransferError, match="already released"):
+        writer.poll(handle)
+    writer.release(handle)  # idempotent
+
+
+@pytest.mark.parametrize("src, dst, match", [
+    ([1, 2], [3], "lengths must match"),
+    ([0, 2], [3, 4], r"outside \[1, 64\)"),
+    ([1, 64], [3, 4], r"outside \[1, 64\)"),
+    ([1, 2], [3, 48], r"outside \[1, 48\)"),  # the peer's pool is smaller
+    ([1, 2], [-1, 4], "outside"),
+    ([1, 2], [4, 4], "duplicate"),
+    ([], [], "empty"),
+    ([[1, 2]], [[3, 4]], "1-D"),
+    ([1.5], [3], "integers"),
+])
+def test_nixl_invalid_pages_raise(nixl_pair, src, dst, match):
+    writer, _, _ = nixl_pair
+    with pytest.raises(KVTransferError, match=match):
+        writer.write("decode-0", src, dst, _tid())
+    assert not writer._live
+
+
+def test_nixl_invalid_peers_ids_and_layouts_raise(nixl_pair):
+    writer, _, reader = nixl_pair
+    with pytest.raises(KVTransferError, match="unknown peer 'decode-9'"):
+        writer.write("decode-9", [1], [1], _tid())
+    with pytest.raises(KVTransferError, match="unknown peer"):
+        writer.expect("decode-9", [1], _tid())
+    with pytest.raises(KVTransferError, match="transfer_id"):
+        writer.expect("decode-0", [1], "")
+    handle = writer.expect("decode-0", [1], "same-id")
+    with pytest.raises(KVTransferError, match="already in flight"):
+        writer.expect("decode-0", [2], "same-id")
+    writer.release(handle)
+
+    other = make_backend("nixl", "decode-bf16", kv_pool_buffers(make_pool(8, dtype=torch.bfloat16)), PAGE_SIZE)
+    try:
+        with pytest.raises(KVTransferError, match="page_bytes: local 256 vs peer 128.*dtype"):
+            writer.connect(other.info())
+    finally:
+        other.close()
+    with pytest.raises(KVTransferError, match="own name"):
+        writer.connect(writer.info())
+    with pytest.raises(KVTransferError, match="page_size"):
+        make_backend("nixl", "x", kv_pool_buffers(make_pool(8)), 3)
+    with pytest.raises(KVTransferError, match="unknown KV transfer backend"):
+        make_backend("carrier-pigeon", "x", kv_pool_buffers(make_pool(8)), PAGE_SIZE)
+    writer.connect(reader.call("info"))  # idempotent: same instance, nothing changes
+
+
+def test_nccl_rejects_cpu_buffers():
+    with pytest.raises(KVTransferError, match="CUDA"):
+        make_backend("nccl", "x", kv_pool_buffers(make_pool(8)), PAGE_SIZE)
+
+
+def test_nixl_write_to_dead_peer_fails_within_bound_and_releases():
+    pool = make_pool(16)
+    fill(kv_pool_buffers(pool), seed=2)
+    writer = make_backend("nixl", "prefill-dead", kv_pool_buffers(pool), PAGE_SIZE)
+    reader = PeerProcess("nixl", "decode-dead", 16)
+    try:
+        reader.call("connect", writer.info())
+        writer.connect(reader.call("info"))
+        writer.wait_sync(writer.write("decode-dead", [1, 2], [3, 4], _tid()), 30.0)  # connection is up
+        reader.kill()
+        handle = writer.write("decode-dead", list(range(1, 16)), list(range(1, 16)), _tid())
+        with pytest.raises(KVTransferError):  # a failure or a KVTransferTimeout, whichever UCX sees first
+            asyncio.run(writer.wait(handle, 5.0))
+        assert handle.released and not writer._live
+    finally:
+        reader.close()
+        writer.close()
+
+
+@pytest.mark.gpu
+def test_nccl_random_pages_between_two_gpus():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    torch.cuda.set_device(0)
+    pool = make_pool(WRITER_PAGES, device="cuda:0")
+    buffers = kv_pool_buffers(pool)
+    fill(buffers, seed=3)
+    writer = make_backend("nccl", "prefill-nccl", buffers, PAGE_SIZE)
+    reader = PeerProcess("nccl", "decode-nccl", READER_PAGES, device="cuda:1")
+    try:
+        reader.call("connect", writer.info())
+        writer.connect(reader.call("info"))
+        rng = np.random.default_rng(1)
+        src = _random_pages(rng, WRITER_PAGES, 30)
+        dst = _random_pages(rng, READER_PAGES, 30)
+        # Two transfers expected in one order and written in the other: NCCL matches by order,
+        # the backend by transfer id.
+        reader.start_call("expect_many", "prefill-nccl", [(dst[:20], "n1"), (dst[20:], "n2")], 60.0)
+        handles = [writer.write("decode-nccl", src[20:], dst[20:], "n2"),
+                   writer.write("decode-nccl", src[:20], dst[:20], "n1")]
+        for handle in handles:
+            writer.wait_sync(handle, 60.0)
+        reader.finish_call()
+        assert not writer._live and reader.call("live_handles") == 0
+        _check_received(reader.call("buffers_cpu"), [b.cpu() for b in buffers], src, dst)
+    finally:
+        reader.close()
+        writer.close()
