@@ -25,19 +25,16 @@ reported to the router first so that the new pair avoids them. Later failures re
 import asyncio
 import dataclasses
 import logging
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Dict, List, Optional
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
 
-from cluster.ingress import ClusterBackend, _RPC_TIMEOUT_S, _unwrap
-from cluster.kv_transfer import KVTransferError, PeerInfo, kv_pool_buffers, make_backend
+from cluster.ingress import ClusterBackend, _unwrap
+from cluster.kv_transfer import PeerInfo, kv_pool_buffers, make_backend
 from cluster.latency import RequestClock
-from cluster.router.policies import NoWorkersError
 from cluster.worker import Worker
-from serving.errors import APIError
 
 logger = logging.getLogger("ray.serve")
 
@@ -211,7 +208,7 @@ class DisaggregatedBackend(ClusterBackend):
 
     async def generate_stream(self, input_ids: List[int], params: Any, rid: str) -> AsyncIterator[Any]:
         for attempt in range(1, MAX_ATTEMPTS + 1):
-            pair = await self._route_pair(input_ids, rid)
+            pair = await self._ask_router(self.router.route_pair.remote(input_ids, rid))
             streamed = False
             clock = RequestClock()
             gen = self.workers.options(stream=True, session_id=pair.decode.worker_id).generate_disaggregated.remote(
@@ -237,18 +234,6 @@ class DisaggregatedBackend(ClusterBackend):
                 if self._active.pop(rid, None) is not None:
                     gen.cancel()
                 self._finish_pair(pair, clock)
-
-    async def _route_pair(self, input_ids: List[int], rid: str) -> Any:
-        start = time.perf_counter()
-        try:
-            pair = await asyncio.wait_for(self.router.route_pair.remote(input_ids, rid), _RPC_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001
-            exc = _unwrap(exc)
-            if isinstance(exc, NoWorkersError):
-                raise APIError(503, f"no worker replica is available: {exc}", None, "no_workers") from None
-            raise exc
-        self.route_rpc_ms.append((time.perf_counter() - start) * 1e3)
-        return pair
 
     async def _report_failure(self, pair: Any, cause: BaseException) -> None:
         """Tell the router which replica is gone so that the next pair avoids it."""

@@ -53,16 +53,21 @@ class ClusterBackend(ServingBackend):
     def vocab_size(self) -> int:
         return self._vocab_size
 
-    async def generate_stream(self, input_ids: List[int], params: Any, rid: str) -> AsyncIterator[Any]:
+    async def _ask_router(self, call) -> Any:
+        """Await a routing call (bounded); the time goes to route_rpc_ms; no worker → HTTP 503."""
         start = time.perf_counter()
         try:
-            decision = await asyncio.wait_for(self.router.route.remote(input_ids, rid), _RPC_TIMEOUT_S)
+            decision = await asyncio.wait_for(call, _RPC_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001
             exc = _unwrap(exc)
             if isinstance(exc, NoWorkersError):
-                raise APIError(503, "no worker replica is available", None, "no_workers") from None
+                raise APIError(503, f"no worker replica is available: {exc}", None, "no_workers") from None
             raise exc
         self.route_rpc_ms.append((time.perf_counter() - start) * 1e3)
+        return decision
+
+    async def generate_stream(self, input_ids: List[int], params: Any, rid: str) -> AsyncIterator[Any]:
+        decision = await self._ask_router(self.router.route.remote(input_ids, rid))
         gen = self.workers.options(stream=True, session_id=decision.worker_id).generate.remote(
             input_ids, params, rid)
         self._active[rid] = gen

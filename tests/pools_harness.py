@@ -6,14 +6,14 @@ The cluster: unified pool, 1 worker to start, autoscaling 1..2 on waiting reques
 delays, round_robin routing (a new replica gets requests at once), an API key and a distinct admin
 key, report_interval_s 0.25. Engines run 2 requests at a time, so a few concurrent clients queue.
 """
-import socket
 import threading
-import time
 import uuid
-from typing import Callable, Dict, List
+from typing import Dict, List
 
 import httpx
 import pytest
+
+from cluster_harness import start_serve, stop_serve, wait_for  # noqa: F401 - wait_for is used by the test modules
 
 APP = "radixserve-pools-test"
 MODEL = "SmolLM2-135M-Instruct"
@@ -26,39 +26,19 @@ SHARED_MODULES = ("test_admin.py", "test_admin_autoscaling.py", "test_admin_dash
 _cluster: Dict[str, str] = {}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start() -> str:
-    import ray
-    from ray import serve
-
-    from cluster.app import deployment
     from cluster.config import ClusterArgs
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-                                       "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}})
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = ClusterArgs(workers=1, policy="round_robin", num_cpus=0.5, max_total_tokens=4096, max_running_requests=2,
                        report_interval_s=0.25, api_key=API_KEY, admin_api_key=ADMIN_KEY,
                        autoscaling={"min_replicas": 1, "max_replicas": 2, "target_waiting_per_replica": 1,
                                     "upscale_delay_s": 1.0, "downscale_delay_s": 3.0})
-    serve.run(deployment(args), name=APP, route_prefix="/")
-    return f"http://127.0.0.1:{port}"
+    return start_serve(args, APP)
 
 
 def _stop() -> None:
-    import ray
-    from ray import serve
-
     if _cluster.pop("url", None) is not None:
-        serve.shutdown()
-        ray.shutdown()
+        stop_serve()
 
 
 def pytest_runtest_teardown(item, nextitem) -> None:
@@ -79,17 +59,6 @@ def pools_cluster() -> str:
 def http(pools_cluster):
     with httpx.Client(base_url=pools_cluster, timeout=120) as client:
         yield client
-
-
-def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.25):
-    deadline = time.time() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.time() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
 
 
 def pool(http, name: str = "unified") -> dict:

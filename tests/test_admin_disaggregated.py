@@ -4,11 +4,10 @@ decode pool goes 1 → 2 replicas while the prefill pool stays at 1, and then th
 the pool left alone keeps its replica. Own CPU cluster (mode=disaggregated, KV over NIXL in host
 memory). Nothing here asserts on timings.
 """
-import socket
-
 import httpx
 import pytest
 
+from cluster_harness import start_serve, stop_serve
 from pools_harness import ADMIN, ADMIN_KEY, API_KEY, Load, running_ids, settle, wait_for
 
 ray = pytest.importorskip("ray")
@@ -22,23 +21,13 @@ APP = "radixserve-disagg-admin-test"
 
 @pytest.fixture(scope="module")
 def cluster():
-    from cluster.app import deployment
     from cluster.config import ClusterArgs
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-                                       "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1", "UCX_TLS": "tcp,self"}})
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = ClusterArgs(mode="disaggregated", prefill_workers=1, decode_workers=1, policy="round_robin",
                        num_cpus=0.5, max_total_tokens=4096, report_interval_s=0.25, api_key=API_KEY,
                        admin_api_key=ADMIN_KEY, kv_transfer="nixl")
-    serve.run(deployment(args), name=APP, route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    yield start_serve(args, APP)
+    stop_serve()
 
 
 @pytest.fixture(scope="module")

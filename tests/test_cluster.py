@@ -4,8 +4,6 @@ One application for the whole module (starting it costs ~1 min on 2 cores); the 
 kills a worker, so it runs last. Nothing here asserts on timings.
 """
 import asyncio
-import socket
-import time
 
 import httpx
 import pytest
@@ -13,8 +11,8 @@ import pytest
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
-from cluster.app import deployment  # noqa: E402
 from cluster.config import ClusterArgs  # noqa: E402
+from cluster_harness import start_serve, stop_serve, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -22,25 +20,12 @@ APP = "radixserve-test"
 MODEL = "SmolLM2-135M-Instruct"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-                                       "TRANSFORMERS_OFFLINE": "1"}})
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = ClusterArgs(workers=2, policy="round_robin", num_cpus=0.5, max_total_tokens=4096,
                        report_interval_s=0.25)
-    serve.run(deployment(args), name=APP, route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    yield start_serve(args, APP)
+    stop_serve()
 
 
 @pytest.fixture(scope="module")
@@ -55,15 +40,7 @@ def _stats(http) -> dict:
     return r.json()
 
 
-def _wait(predicate, timeout: float, what: str, interval: float = 0.25):
-    deadline = time.time() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(interval)
+_wait = wait_for
 
 
 def _served(rids_by_worker_calls) -> dict:

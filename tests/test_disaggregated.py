@@ -17,12 +17,10 @@ import pytest
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("nixl_cu13._api")
-from ray import serve  # noqa: E402
 
-from cluster.app import deployment  # noqa: E402
 from cluster.config import ClusterArgs  # noqa: E402
-from tests.conftest import PROMPTS, make_engine  # noqa: E402
-from tests.test_cluster import _free_port, _wait  # noqa: E402
+from cluster_harness import start_serve, stop_serve, wait_for as _wait  # noqa: E402
+from conftest import PROMPTS, make_engine  # noqa: E402
 
 APP = "radixserve-pd"
 MODEL = "SmolLM2-135M-Instruct"
@@ -32,18 +30,11 @@ LONG_PROMPT = " ".join(f"item {i} is filed under section {i % 7}." for i in rang
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-                                       "TRANSFORMERS_OFFLINE": "1", "UCX_TLS": "tcp,self"}})
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = ClusterArgs(mode="disaggregated", prefill_workers=1, decode_workers=1, kv_transfer="nixl",
                        num_cpus=0.5, max_total_tokens=4096, page_size=PAGE, report_interval_s=0.25,
                        kv_transfer_timeout_s=20, health_check_period_s=1.0)
-    serve.run(deployment(args), name=APP, route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    yield start_serve(args, APP)
+    stop_serve()
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.conftest import PROMPTS, assert_no_leak, make_engine
+from conftest import PROMPTS, assert_no_leak, make_engine
 
 PAGE = 4
 
