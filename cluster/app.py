@@ -48,11 +48,24 @@ def _gpus_per_worker(args) -> float:
     return 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
 
 
+def _cpus_per_worker(args) -> float:
+    """args.num_cpus, else 1 CPU per worker replica, or less when the Ray cluster's CPUs (minus the
+    ingress's and the router's) cannot give every initial replica one."""
+    if args.num_cpus is not None:
+        return args.num_cpus
+    if not ray.is_initialized():
+        return 1.0
+    spare = (ray.cluster_resources().get("CPU", 0.0) - args.ingress_replicas * args.ingress_num_cpus
+             - args.router_num_cpus)
+    share = spare / sum(args.pool_sizes().values())
+    return max(0.05, min(1.0, int(share * 20) / 20))  # multiples of 0.05 CPU
+
+
 def _pool_deployment(cls, name: str, pool: str, args: ClusterArgs, num_gpus: float, scaling):
     """A worker pool's Serve deployment: pinned routing, health checks, its own (auto)scaling."""
     return serve.deployment(cls).options(
         name=name, **deployment_options(scaling, pool), max_ongoing_requests=args.max_ongoing_requests,
-        ray_actor_options={"num_cpus": args.num_cpus, "num_gpus": num_gpus},
+        ray_actor_options={"num_cpus": _cpus_per_worker(args), "num_gpus": num_gpus},
         request_router_config=RequestRouterConfig(request_router_class=PINNED_ROUTER),
         health_check_period_s=args.health_check_period_s, health_check_timeout_s=60,
         graceful_shutdown_timeout_s=5, logging_config={"enable_access_log": args.worker_access_log})

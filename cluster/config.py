@@ -95,7 +95,10 @@ class _ClusterFields(BaseModel):
     prefix_hash_tokens: int = Field(256, ge=1, description="prefix_hash: leading tokens that pick the worker.")
     report_interval_s: float = Field(0.5, gt=0.0, le=10.0, description="How often the router polls each worker "
                                      "for queue length, KV usage and cache events.")
-    num_cpus: float = Field(1.0, ge=0.0, description="CPUs reserved per worker replica (fractions allowed).")
+    num_cpus: Optional[float] = Field(None, ge=0.0, description="CPUs reserved per worker replica (fractions "
+                                      "allowed); default: 1, or an equal share of the Ray cluster's CPUs left by "
+                                      "the ingress and the router when that is less (so the default pools start "
+                                      "on a small machine).")
     num_gpus: Optional[float] = Field(None, ge=0.0, description="GPUs per worker replica; default: 1 when the Ray "
                                       "cluster has GPUs, else 0.")
     ingress_replicas: int = Field(1, ge=1, description="Replicas of the HTTP ingress (stateless; the router "

@@ -72,3 +72,19 @@ def test_serve_config_yaml_args_are_valid():
     (app,) = doc["applications"]
     assert app["import_path"] == "cluster.app:deployment"
     ClusterArgs.model_validate(app["args"])
+
+
+def test_default_worker_cpus_fit_a_small_ray_cluster(monkeypatch):
+    """Without num_cpus, every initial worker replica gets 1 CPU or an equal share of what the ingress
+    and the router leave, so `mode=disaggregated` starts on a 2-CPU machine."""
+    import cluster.app as app_module
+
+    monkeypatch.setattr(app_module.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(app_module.ray, "cluster_resources", lambda: {"CPU": 2.0})
+    share = app_module._cpus_per_worker
+    assert share(ClusterArgs()) == 1.0                                            # 1 worker: 1.65 spare
+    assert share(ClusterArgs(mode="disaggregated")) == 0.8                        # 2 workers share 1.65
+    assert share(ClusterArgs(workers=8)) == 0.2
+    assert share(ClusterArgs(workers=8, num_cpus=1)) == 1                         # explicit wins
+    monkeypatch.setattr(app_module.ray, "is_initialized", lambda: False)
+    assert share(ClusterArgs(mode="disaggregated")) == 1.0
