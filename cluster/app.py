@@ -21,6 +21,7 @@ No `from __future__ import annotations` in this module: Serve validates the buil
 with the annotated pydantic model only when the annotation is a real class (RAY_SERVE_NOTES §6).
 """
 import logging
+import os
 
 import ray
 from ray import serve
@@ -40,12 +41,20 @@ logger = logging.getLogger("ray.serve")
 PINNED_ROUTER = "cluster.pinning:PinnedRequestRouter"
 
 
+def _cluster_resources() -> dict:
+    """CPUs and GPUs of the Ray cluster the application will run on. `serve run` calls the builder
+    before it starts or joins Ray: then the local machine's, which is where its local cluster runs."""
+    if ray.is_initialized():
+        return ray.cluster_resources()
+    import torch
+
+    return {"CPU": float(os.cpu_count() or 1), "GPU": float(torch.cuda.device_count())}
+
+
 def _gpus_per_worker(args) -> float:
     if args.num_gpus is not None:
         return args.num_gpus
-    if not ray.is_initialized():
-        return 0.0
-    return 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+    return 1.0 if _cluster_resources().get("GPU", 0) > 0 else 0.0
 
 
 def _cpus_per_worker(args) -> float:
@@ -53,9 +62,7 @@ def _cpus_per_worker(args) -> float:
     ingress's and the router's) cannot give every initial replica one."""
     if args.num_cpus is not None:
         return args.num_cpus
-    if not ray.is_initialized():
-        return 1.0
-    spare = (ray.cluster_resources().get("CPU", 0.0) - args.ingress_replicas * args.ingress_num_cpus
+    spare = (_cluster_resources().get("CPU", 0.0) - args.ingress_replicas * args.ingress_num_cpus
              - args.router_num_cpus)
     share = spare / sum(args.pool_sizes().values())
     return max(0.05, min(1.0, int(share * 20) / 20))  # multiples of 0.05 CPU

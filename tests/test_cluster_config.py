@@ -86,5 +86,6 @@ def test_default_worker_cpus_fit_a_small_ray_cluster(monkeypatch):
     assert share(ClusterArgs(mode="disaggregated")) == 0.8                        # 2 workers share 1.65
     assert share(ClusterArgs(workers=8)) == 0.2
     assert share(ClusterArgs(workers=8, num_cpus=1)) == 1                         # explicit wins
-    monkeypatch.setattr(app_module.ray, "is_initialized", lambda: False)
-    assert share(ClusterArgs(mode="disaggregated")) == 1.0
+    monkeypatch.setattr(app_module.ray, "is_initialized", lambda: False)  # `serve run` before Ray starts
+    monkeypatch.setattr(app_module.os, "cpu_count", lambda: 2)
+    assert share(ClusterArgs(mode="disaggregated")) == 0.8
