@@ -1,15 +1,21 @@
-"""Routing policies compared in one run: the same cluster, the same workloads, one policy at a time.
+"""Cluster variants compared in one run: the same workloads against each variant of the application.
 
-For each policy (default: cache_aware, then round_robin) this starts the application in-process on
-a local Ray cluster (`cluster.app:deployment` with --workers, --max-total-tokens, ...), runs each
-dataset of bench_serving.py against it (same seeds, same arrival process), reads the cluster's
-cache hit rate from /router/stats, and tears the application down before the next policy, so
-every policy starts with cold caches. Prints one table and writes one JSON naming the hardware
-with every summary and the ratios of the first policy to each other one.
+A variant is a JSON object of ClusterArgs fields laid over the common ones (--workers,
+--max-total-tokens, ...); by default the two routing policies, cache_aware and round_robin. For
+each variant this starts the application in-process on a local Ray cluster, runs each dataset of
+bench_serving.py against it (same seeds, same arrival process), reads the cluster's cache hit rate
+from /router/stats, and tears the application down before the next variant, so every variant
+starts with cold caches. Prints one table and writes one JSON naming the hardware with every
+summary and the ratios of the first variant to each other one.
 
-  python benchmarks/bench_policies.py --workers 2 --max-total-tokens 6000 \\
+  # routing policies (issue 4)
+  python benchmarks/bench_cluster.py --workers 2 --max-total-tokens 6000 \\
       --datasets shared-prefix multi-turn -- --num-groups 8 --prompts-per-group 16 \\
       --system-prompt-len 1024 --max-concurrency 16 --output-len 16
+  # unified (2 workers) vs disaggregated (1 prefill + 1 decode) at a fixed request rate (issue 6)
+  python benchmarks/bench_cluster.py --variants '{"workers": 2}' \\
+      '{"mode": "disaggregated", "prefill_workers": 1, "decode_workers": 1}' \\
+      --datasets random -- --num-prompts 64 --input-len 1024 --output-len 128 --request-rate 2
 
 Arguments after `--` go to bench_serving's workload options (see bench_serving.py --help);
 --dataset, --base-url and --out there are set here.
@@ -32,7 +38,16 @@ import bench_serving as bs  # noqa: E402
 from bench_offline import hardware  # noqa: E402
 
 COMPARED = (("server_cache_hit_rate", "cache hit rate"), ("request_throughput", "req/s"),
-            ("total_throughput_tok_s", "total tok/s"))
+            ("total_throughput_tok_s", "total tok/s"), ("ttft_ms.p50", "TTFT p50 ms"), ("ttft_ms.p99", "TTFT p99 ms"),
+            ("itl_ms.p50", "ITL p50 ms"), ("itl_ms.p99", "ITL p99 ms"))
+
+
+def _metric(summary: Dict[str, Any], key: str) -> float:
+    """summary[key], with "a.b" reading summary[a][b]; 0.0 when absent."""
+    value: Any = summary
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return float(value or 0.0)
 
 
 def _free_port() -> int:
@@ -41,16 +56,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_policy(policy: str, args, load_args: List[str]) -> Dict[str, Any]:
-    """Start the cluster with `policy`, run every dataset, stop it. Returns {dataset: summary}."""
+def variant_name(variant: Dict[str, Any]) -> str:
+    return ",".join(f"{k}={v}" for k, v in variant.items()) or "default"
+
+
+def run_variant(variant: Dict[str, Any], args, load_args: List[str]) -> Dict[str, Any]:
+    """Start the cluster of `variant`, run every dataset, stop it. Returns {dataset: summary}."""
     from ray import serve
 
     from cluster.app import deployment
     from cluster.config import ClusterArgs
 
-    cluster_args = ClusterArgs(workers=args.workers, policy=policy, num_cpus=args.num_cpus,
-                               max_total_tokens=args.max_total_tokens, page_size=args.page_size,
-                               report_interval_s=0.25)
+    common = dict(num_cpus=args.num_cpus, max_total_tokens=args.max_total_tokens, page_size=args.page_size,
+                  report_interval_s=0.25)
+    if variant.get("mode", "unified") == "unified":
+        common["workers"] = args.workers
+    cluster_args = ClusterArgs(**{**common, **variant})
+    name = variant_name(variant)
     t0 = time.perf_counter()
     serve.run(deployment(cluster_args), name="bench", route_prefix="/")
     startup_s = time.perf_counter() - t0
@@ -63,7 +85,7 @@ def run_policy(policy: str, args, load_args: List[str]) -> Dict[str, Any]:
             results, duration = asyncio.run(bs.run_load(wl, sessions))
             after = bs.server_cache_counters(wl.base_url, None)
             out[dataset] = bs.summarize(results, duration, before, after)
-            print(f"  {policy} / {dataset}: hit rate {out[dataset].get('server_cache_hit_rate')}, "
+            print(f"  {name} / {dataset}: hit rate {out[dataset].get('server_cache_hit_rate')}, "
                   f"{out[dataset]['request_throughput']:.3f} req/s", flush=True)
     finally:
         serve.delete("bench")
@@ -75,10 +97,12 @@ def main() -> None:
     load_args = argv[argv.index("--") + 1:] if "--" in argv else []
     own = argv[:argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--policies", nargs="+", default=["cache_aware", "round_robin"])
+    p.add_argument("--variants", nargs="+", type=json.loads,
+                   default=[{"policy": "cache_aware"}, {"policy": "round_robin"}],
+                   help="JSON objects of ClusterArgs fields, one per variant (the first is the baseline of the ratios).")
     p.add_argument("--datasets", nargs="+", default=["shared-prefix", "multi-turn"],
                    choices=["random", "shared-prefix", "multi-turn"])
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--workers", type=int, default=2, help="Unified pool size (variants may override).")
     p.add_argument("--num-cpus", type=float, default=0.5, help="Ray CPUs per worker replica.")
     p.add_argument("--ray-cpus", type=int, default=os.cpu_count(), help="CPUs of the local Ray cluster.")
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool per worker (cache pressure).")
@@ -97,26 +121,27 @@ def main() -> None:
     args.base_url = f"http://127.0.0.1:{port}"
     runs = {}
     try:
-        for policy in args.policies:
-            print(f"policy {policy}: starting {args.workers} workers", flush=True)
-            runs[policy] = run_policy(policy, args, load_args)
+        for variant in args.variants:
+            print(f"variant {variant_name(variant)}: starting", flush=True)
+            runs[variant_name(variant)] = run_variant(variant, args, load_args)
     finally:
         serve.shutdown()
         ray.shutdown()
 
-    base = args.policies[0]
+    names = [variant_name(v) for v in args.variants]
+    base = names[0]
     ratios: Dict[str, Dict[str, Dict[str, float]]] = {}
-    print(f"\n{'dataset':<14} {'metric':<14} " + " ".join(f"{p:>14}" for p in args.policies))
+    print(f"\n{'dataset':<14} {'metric':<14} " + " ".join(f"{n[:24]:>24}" for n in names))
     for dataset in args.datasets:
         for key, label in COMPARED:
-            values = [runs[p][dataset].get(key) or 0.0 for p in args.policies]
-            print(f"{dataset:<14} {label:<14} " + " ".join(f"{v:>14.3f}" for v in values))
-            for p, v in zip(args.policies[1:], values[1:]):
+            values = [_metric(runs[n][dataset], key) for n in names]
+            print(f"{dataset:<14} {label:<14} " + " ".join(f"{v:>24.3f}" for v in values))
+            for p, v in zip(names[1:], values[1:]):
                 ratios.setdefault(dataset, {}).setdefault(f"{base}/{p}", {})[key] = values[0] / v if v else None
     print(json.dumps(ratios, indent=1))
     os.makedirs(bs.RESULTS, exist_ok=True)
-    out = args.out or os.path.join(bs.RESULTS, f"policies_{'-vs-'.join(args.policies)}_{args.workers}w_"
-                                   f"kv{args.max_total_tokens}_cpu.json")
+    out = args.out or os.path.join(bs.RESULTS, "cluster_" + "-vs-".join(
+        n.replace("=", "").replace(",", "_") for n in names) + f"_kv{args.max_total_tokens}.json")
     with open(out, "w") as f:
         json.dump({"hardware": hardware(), "args": vars(args), "load_args": load_args, "runs": runs,
                    "ratios": ratios}, f, indent=1)
