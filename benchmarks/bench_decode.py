@@ -33,7 +33,8 @@ from typing import Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_offline import result_path  # noqa: E402
 
 
 def copy_bandwidth(device, nbytes: int = 4 << 30, iters: int = 20) -> float:
@@ -266,10 +267,8 @@ def main() -> None:
     print("".join(f"{c:>26}" for c in cols))
     for r in rows:
         print("".join(f"{r[c]:>26.3f}" if isinstance(r[c], float) else f"{r[c]:>26}" for c in cols))
-    os.makedirs(RESULTS, exist_ok=True)
-    tag = (hw.get("gpu") or "cpu").replace(" ", "-")
     model = os.path.splitext(os.path.basename(args.config))[0]
-    out = args.out or os.path.join(RESULTS, f"decode_{model}_{tag}.json")
+    out = result_path(args.out, f"decode_{model}", hw)
     with open(out, "w") as f:
         json.dump(dict(benchmark="bench_decode", args=vars(args), hardware=hw, model=model, **sizes,
                        copy_gb_per_s=bandwidth / 1e9, attention_backend=runner.attn_backend_name,

@@ -33,7 +33,8 @@ from typing import Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_offline import result_path  # noqa: E402
 MiB = 1 << 20
 
 
@@ -263,9 +264,7 @@ def main() -> None:
     for name, res in results.items():
         print(f"{name}: first transfer {res['first_transfer_ms']:.1f} ms (connection / communicator set-up)")
 
-    os.makedirs(RESULTS, exist_ok=True)
-    tag = (hw.get("gpu") or "cpu").replace(" ", "-")
-    out = args.out or os.path.join(RESULTS, f"kv_transfer_{tag}.json")
+    out = result_path(args.out, "kv_transfer", hw)
     with open(out, "w") as f:
         json.dump(dict(benchmark="bench_kv_transfer", args=vars(args), hardware=hw, page_mib=page_mib,
                        roofline={"what": label, "sizes": copy}, backends=results,

@@ -26,11 +26,17 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def result_path(out: Optional[str], prefix: str, hw: Dict[str, str]) -> str:
+    """`out`, else benchmarks/results/<prefix>_<GPU name or "cpu">.json (the folder is created)."""
+    os.makedirs(RESULTS, exist_ok=True)
+    return out or os.path.join(RESULTS, f"{prefix}_{(hw.get('gpu') or 'cpu').replace(' ', '-')}.json")
 
 
 def hardware() -> Dict[str, str]:
@@ -158,9 +164,7 @@ def main() -> None:
         speedup = runs["radix_cache"]["total_tok_per_s"] / runs["no_cache (baseline)"]["total_tok_per_s"]
         print(f"speedup from the radix cache: {speedup:.2f}x")
 
-    os.makedirs(RESULTS, exist_ok=True)
-    tag = (hw.get("gpu") or "cpu").replace(" ", "-")
-    out = args.out or os.path.join(RESULTS, f"offline_{args.workload}_{tag}.json")
+    out = result_path(args.out, f"offline_{args.workload}", hw)
     with open(out, "w") as f:
         json.dump(dict(benchmark="bench_offline", args=vars(args), hardware=hw, runs=runs,
                        radix_speedup=speedup, time=time.strftime("%Y-%m-%dT%H:%M:%S%z")), f, indent=2)

@@ -213,6 +213,7 @@ class KVTransferBackend(abc.ABC):
         self._peers: dict[str, PeerInfo] = {}
         self._live: dict[tuple[str, str], TransferHandle] = {}
         """(role, transfer_id) → unreleased handle."""
+        self._closed = False
 
     # ---- the interface
     @abc.abstractmethod
@@ -275,9 +276,18 @@ class KVTransferBackend(abc.ABC):
         self._live.pop((handle.role, handle.transfer_id), None)
         self._release(handle)
 
-    @abc.abstractmethod
     def close(self) -> None:
         """Release every live handle, forget every peer, deregister the buffers. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._release_all()
+        for peer in list(self._peers.values()):
+            self._disconnect(peer)
+        self._close()
+
+    def _close(self) -> None:
+        """Backend resources left after every handle and peer is gone (close() calls it once)."""
 
     async def wait(self, handle: TransferHandle, timeout_s: float) -> None:
         """Poll `handle` until DONE without blocking the event loop; ALWAYS releases it (also when

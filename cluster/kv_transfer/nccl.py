@@ -124,7 +124,6 @@ class NcclBackend(KVTransferBackend):
         self._clients: dict[tuple[str, int], Any] = {}
         self._pairs: dict[str, _Pair] = {}
         self._generations: dict[str, int] = {}
-        self._closed = False
 
     def _check_device(self) -> None:
         if not self.layout.device.startswith("cuda"):
@@ -326,10 +325,3 @@ class NcclBackend(KVTransferBackend):
         if work is not None and not work.is_completed():
             self._break(pair, f"transfer {handle.transfer_id!r} was released unfinished")
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._release_all()
-        for peer in list(self._peers.values()):
-            self._disconnect(peer)

@@ -120,7 +120,6 @@ class NixlBackend(KVTransferBackend):
         self._abandoned: dict[tuple[str, str], float] = {}
         """(peer, transfer_id) of expects released before their notification came."""
         self._pruned = time.monotonic()
-        self._closed = False
 
     def _init_env(self) -> None:
         if self.layout.device == "cpu":
@@ -277,12 +276,6 @@ class NixlBackend(KVTransferBackend):
             except Exception as e:  # NIXL could not cancel an active transfer; it retries at agent teardown
                 logger.warning("releasing NIXL transfer %r: %s", handle.transfer_id, e)
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._release_all()
-        for peer in list(self._peers.values()):
-            self._disconnect(peer)
+    def _close(self) -> None:
         self._local_descs.release()
         self.agent.deregister_memory(self._reg)
