@@ -12,20 +12,26 @@ summary and the ratios of the first variant to each other one.
   python benchmarks/bench_cluster.py --workers 2 --max-total-tokens 6000 \\
       --datasets shared-prefix multi-turn -- --num-groups 8 --prompts-per-group 16 \\
       --system-prompt-len 1024 --max-concurrency 16 --output-len 16
-  # unified (2 workers) vs disaggregated (1 prefill + 1 decode) at a fixed request rate (issue 6)
+  # unified (2 workers) vs disaggregated (1 prefill + 1 decode): named workloads (issue 6)
   python benchmarks/bench_cluster.py --variants '{"workers": 2}' \\
       '{"mode": "disaggregated", "prefill_workers": 1, "decode_workers": 1}' \\
-      --datasets random -- --num-prompts 64 --input-len 1024 --output-len 128 --request-rate 2
+      --workload prefill-heavy "--dataset random --input-len 4096 --output-len 32 --request-rate 4" \\
+      --workload decode-heavy "--dataset random --input-len 256 --output-len 512 --request-rate 8" \\
+      -- --num-prompts 64 --range-ratio 0 --ignore-eos
 
-Arguments after `--` go to bench_serving's workload options (see bench_serving.py --help);
---dataset, --base-url and --out there are set here.
+Arguments after `--` go to bench_serving's workload options (see bench_serving.py --help) of every
+workload; --workload LABEL "ARGS" adds a named workload with its own bench_serving options (they
+come after the common ones, so they win); without --workload, each of --datasets is one workload.
+--base-url and --out of bench_serving are set here.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
+import shlex
 import socket
 import sys
 import time
@@ -78,17 +84,33 @@ def run_variant(variant: Dict[str, Any], args, load_args: List[str]) -> Dict[str
     startup_s = time.perf_counter() - t0
     out: Dict[str, Any] = {"startup_s": startup_s}
     try:
-        for dataset in args.datasets:
-            wl = bs.build_parser().parse_args(load_args + ["--dataset", dataset, "--base-url", args.base_url])
+        for label, workload_args in args.workloads:
+            wl = bs.build_parser().parse_args(load_args + workload_args + ["--base-url", args.base_url])
             sessions = bs.make_workload(wl)
             before = bs.server_cache_counters(wl.base_url, None)
             results, duration = asyncio.run(bs.run_load(wl, sessions))
             after = bs.server_cache_counters(wl.base_url, None)
-            out[dataset] = bs.summarize(results, duration, before, after)
-            print(f"  {name} / {dataset}: hit rate {out[dataset].get('server_cache_hit_rate')}, "
-                  f"{out[dataset]['request_throughput']:.3f} req/s", flush=True)
+            out[label] = bs.summarize(results, duration, before, after)
+            out[label]["output_digests"] = {r.key: hashlib.sha1(r.text.encode()).hexdigest()[:16]
+                                            for r in results if r.ok}
+            print(f"  {name} / {label}: hit rate {out[label].get('server_cache_hit_rate')}, "
+                  f"{out[label]['request_throughput']:.3f} req/s, TTFT p50 {out[label]['ttft_ms']['p50']:.1f} ms",
+                  flush=True)
     finally:
         serve.delete("bench")
+    return out
+
+
+def same_outputs(runs: Dict[str, Any], names: List[str], workloads: List[str]) -> Dict[str, Dict[str, str]]:
+    """Per workload and variant: "k/n" requests whose output text equals the first variant's (greedy
+    outputs are comparable where each request ran alone, e.g. at --max-concurrency 1)."""
+    out: Dict[str, Dict[str, str]] = {}
+    for label in workloads:
+        base = runs[names[0]][label]["output_digests"]
+        for name in names[1:]:
+            other = runs[name][label]["output_digests"]
+            same = sum(1 for key, digest in base.items() if other.get(key) == digest)
+            out.setdefault(label, {})[name] = f"{same}/{len(base)}"
     return out
 
 
@@ -102,6 +124,8 @@ def main() -> None:
                    help="JSON objects of ClusterArgs fields, one per variant (the first is the baseline of the ratios).")
     p.add_argument("--datasets", nargs="+", default=["shared-prefix", "multi-turn"],
                    choices=["random", "shared-prefix", "multi-turn"])
+    p.add_argument("--workload", nargs=2, action="append", metavar=("LABEL", "ARGS"), default=None,
+                   help="A named workload: bench_serving options in one string (repeatable; replaces --datasets).")
     p.add_argument("--workers", type=int, default=2, help="Unified pool size (variants may override).")
     p.add_argument("--num-cpus", type=float, default=0.5, help="Ray CPUs per worker replica.")
     p.add_argument("--ray-cpus", type=int, default=os.cpu_count(), help="CPUs of the local Ray cluster.")
@@ -109,6 +133,8 @@ def main() -> None:
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--out", default=None)
     args = p.parse_args(own)
+    args.workloads = ([(label, shlex.split(opts)) for label, opts in args.workload] if args.workload
+                      else [(dataset, ["--dataset", dataset]) for dataset in args.datasets])
 
     import ray
     from ray import serve
@@ -132,19 +158,22 @@ def main() -> None:
     base = names[0]
     ratios: Dict[str, Dict[str, Dict[str, float]]] = {}
     print(f"\n{'dataset':<14} {'metric':<14} " + " ".join(f"{n[:24]:>24}" for n in names))
-    for dataset in args.datasets:
+    for dataset, _ in args.workloads:
         for key, label in COMPARED:
             values = [_metric(runs[n][dataset], key) for n in names]
             print(f"{dataset:<14} {label:<14} " + " ".join(f"{v:>24.3f}" for v in values))
             for p, v in zip(names[1:], values[1:]):
                 ratios.setdefault(dataset, {}).setdefault(f"{base}/{p}", {})[key] = values[0] / v if v else None
     print(json.dumps(ratios, indent=1))
+    same = same_outputs(runs, names, [label for label, _ in args.workloads])
+    for dataset, counts in same.items():
+        print(f"{dataset}: outputs identical to {base}'s: " + ", ".join(f"{n} {c}" for n, c in counts.items()))
     os.makedirs(bs.RESULTS, exist_ok=True)
     out = args.out or os.path.join(bs.RESULTS, "cluster_" + "-vs-".join(
         n.replace("=", "").replace(",", "_") for n in names) + f"_kv{args.max_total_tokens}.json")
     with open(out, "w") as f:
         json.dump({"hardware": hardware(), "args": vars(args), "load_args": load_args, "runs": runs,
-                   "ratios": ratios}, f, indent=1)
+                   "ratios": ratios, "same_outputs_as_first_variant": same}, f, indent=1)
     print(f"wrote {out}")
 
 

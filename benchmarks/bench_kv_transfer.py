@@ -1,12 +1,14 @@
 """KV page transfer bandwidth per backend (cluster/kv_transfer), with the raw copy as the roofline.
 
-Two Ray actors, a writer (prefill) and a receiver (decode), each own a KV pool shaped like a
-real model's: --num-layers layers of K and V buffers (2 × layers buffers) of --num-kv-heads ×
---head-dim --dtype elements per token, --page-size tokens per page. The default (16 layers,
-8 KV heads × 128, bfloat16, 16-token pages: 32 KiB per page per buffer, 1 MiB per page over
-all buffers) makes each size a whole number of pages. Each transfer moves SIZE MiB: the src
-pages lie in runs of --run-pages at random places of the writer's pool (a fragmented radix
-cache), the dst pages are one block (a fresh allocation), so it is num_buffers × runs regions.
+Two Ray actors, a writer (prefill) and a receiver (decode), each own the engine's KVPool shaped
+like a real model's: --num-layers layers × K and V × --num-kv-heads × --head-dim --dtype elements
+per token, --page-size tokens per page. The pool is token-major (engine/memory/kv_pool.py), so a
+page is one contiguous range across all layers and a run of consecutive pages is one region.
+The default is Llama-3.1-8B's shape (32 layers, 8 KV heads × 128, bfloat16: 128 KiB per token)
+with the engine's page size 1. Each transfer moves SIZE MiB: the src pages lie in runs of
+RUN pages (each of --run-pages) at random places of the writer's pool (a radix cache holding
+pieces of other prompts), the dst pages are one block (a fresh allocation), so it is one region
+per run.
 
 Timing is the writer's: write() until its handle is DONE, busy-polled (no event-loop sleeps),
 --repeats times after --warmup untimed transfers; the receiver awaits its expects as a replica
@@ -154,14 +156,14 @@ def stats(times: List[float], nbytes: int) -> Dict[str, float]:
             "best_gib_s": nbytes / best / 2**30, "median_gib_s": nbytes / median / 2**30}
 
 
-def bench_backend(name: str, args, cuda: bool, sizes: List[int], page_mib: float) -> Dict:
+def bench_backend(name: str, args, cuda: bool, sizes: List[int], run_lengths: List[int], page_mib: float) -> Dict:
     import numpy as np
     import ray
 
     from cluster.kv_transfer import page_runs
 
     max_pages = max(sizes) * MiB // int(page_mib * MiB)
-    writer_pages = 2 * max_pages + args.run_pages + 1
+    writer_pages = 2 * max_pages + max(run_lengths) + 1
     opts = dict(num_cpus=0, num_gpus=1 if cuda else 0)
     actor = ray.remote(Side)
     shape = dict(dtype=args.dtype, page_size=args.page_size, num_layers=args.num_layers,
@@ -173,11 +175,11 @@ def bench_backend(name: str, args, cuda: bool, sizes: List[int], page_mib: float
     ray.get([writer.connect.remote(r_info), reader.connect.remote(w_info)])
     rows, first_ms = [], None
     try:
-        for size in sizes:
+        for size, run_pages in ((size, run) for size in sizes for run in run_lengths):
             n = size * MiB // int(page_mib * MiB)
-            src, dst = page_lists(n, args.run_pages, writer_pages, args.seed + size)
+            src, dst = page_lists(n, run_pages, writer_pages, args.seed + size)
             count = (1 if first_ms is None else 0) + args.warmup + args.repeats
-            tids = [f"{size}-{i}" for i in range(count)]
+            tids = [f"{size}-{run_pages}-{i}" for i in range(count)]
             received = reader.receive.remote(f"bench-prefill-{name}", dst, tids, args.timeout)
             times = ray.get(writer.write_timed.remote(f"bench-decode-{name}", src, dst, tids, args.timeout))
             ray.get(received)
@@ -186,8 +188,9 @@ def bench_backend(name: str, args, cuda: bool, sizes: List[int], page_mib: float
             w_sums, r_sums = ray.get([writer.page_sums.remote(src), reader.page_sums.remote(dst)])
             if w_sums != r_sums:
                 raise SystemExit(f"{name} {size} MiB: data on the receiver differs from the writer's")
-            regions = 2 * args.num_layers * len(page_runs(np.array(src), np.array(dst)))
-            rows.append(dict(size_mib=size, pages=n, regions=regions, **stats(times[args.warmup:], size * MiB)))
+            regions = len(page_runs(np.array(src), np.array(dst)))  # one buffer: one region per run
+            rows.append(dict(size_mib=size, run_pages=run_pages, pages=n, regions=regions,
+                             **stats(times[args.warmup:], size * MiB)))
     finally:
         ray.get([writer.close.remote(), reader.close.remote()])
         ray.kill(writer), ray.kill(reader)
@@ -216,12 +219,13 @@ def main() -> None:
     p.add_argument("--sizes", default="1,4,16,64,256", help="transfer sizes in MiB (whole pages)")
     p.add_argument("--repeats", type=int, default=20, help="timed transfers per size")
     p.add_argument("--warmup", type=int, default=3, help="untimed transfers per size")
-    p.add_argument("--num-layers", type=int, default=16)
+    p.add_argument("--num-layers", type=int, default=32)
     p.add_argument("--num-kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per page")
-    p.add_argument("--run-pages", type=int, default=8, help="src pages lie in runs of this many pages")
+    p.add_argument("--page-size", type=int, default=1, help="tokens per page (the engine's default: 1)")
+    p.add_argument("--run-pages", default="8,64,4096",
+                   help="comma-separated: src pages lie in runs of this many pages (one case each)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before a transfer counts as failed")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu", action="store_true", help="host memory even where CUDA is available")
@@ -236,31 +240,34 @@ def main() -> None:
         raise SystemExit("the GPU benchmark needs 2 GPUs (GPU0 → GPU1); pass --cpu for host memory")
     backends = args.backends.split(",") if args.backends else (["nixl", "nccl"] if cuda else ["nixl"])
     sizes = [int(s) for s in args.sizes.split(",")]
+    run_lengths = [int(r) for r in args.run_pages.split(",")]
     elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     page_mib = 2 * args.num_layers * args.page_size * args.num_kv_heads * args.head_dim * elem / MiB
     if any((size / page_mib) % 1 for size in sizes):
-        raise SystemExit(f"a page over all buffers is {page_mib:g} MiB: every size must be a whole number of pages")
+        raise SystemExit(f"a page is {page_mib:g} MiB: every size must be a whole number of pages")
 
     ray.init(include_dashboard=False, log_to_driver=True, configure_logging=False)
     hw = hardware(cuda)
     copy = {size: stats(roofline(size * MiB, cuda, args.repeats), size * MiB) for size in sizes}
-    results = {name: bench_backend(name, args, cuda, sizes, page_mib) for name in backends}
+    results = {name: bench_backend(name, args, cuda, sizes, run_lengths, page_mib) for name in backends}
     ray.shutdown()
 
     label = "GPU0->GPU1 torch copy" if cuda else "host torch copy"
-    print(f"\n{hw.get('gpu', hw['cpu'])}; page {page_mib:g} MiB over {2 * args.num_layers} buffers, "
-          f"src in runs of {args.run_pages} pages; best / median of {args.repeats}")
-    print(f"{'backend':<24}{'MiB':>6}{'regions':>9}{'best ms':>10}{'med ms':>10}{'best GiB/s':>12}"
+    print(f"\n{hw.get('gpu', hw['cpu'])}; token-major KV pool, page {page_mib * 1024:g} KiB "
+          f"({args.page_size} token(s) × {args.num_layers} layers × K,V); best / median of {args.repeats}")
+    print(f"{'backend':<24}{'MiB':>6}{'run':>6}{'regions':>9}{'best ms':>10}{'med ms':>10}{'best GiB/s':>12}"
           f"{'med GiB/s':>11}{'% roofline':>12}")
     for size in sizes:
         c = copy[size]
-        print(f"{label:<24}{size:>6}{'1':>9}{c['best_ms']:>10.3f}{c['median_ms']:>10.3f}"
+        print(f"{label:<24}{size:>6}{'':>6}{'1':>9}{c['best_ms']:>10.3f}{c['median_ms']:>10.3f}"
               f"{c['best_gib_s']:>12.2f}{c['median_gib_s']:>11.2f}{100.0:>11.0f}%")
         for name, res in results.items():
-            r = next(r for r in res["sizes"] if r["size_mib"] == size)
-            r["pct_of_roofline_best"] = 100 * r["best_gib_s"] / c["best_gib_s"]
-            print(f"{name:<24}{size:>6}{r['regions']:>9}{r['best_ms']:>10.3f}{r['median_ms']:>10.3f}"
-                  f"{r['best_gib_s']:>12.2f}{r['median_gib_s']:>11.2f}{r['pct_of_roofline_best']:>11.0f}%")
+            for r in (r for r in res["sizes"] if r["size_mib"] == size):
+                r["pct_of_roofline_best"] = 100 * r["best_gib_s"] / c["best_gib_s"]
+                r["pct_of_roofline_median"] = 100 * r["median_gib_s"] / c["median_gib_s"]
+                print(f"{name:<24}{size:>6}{r['run_pages']:>6}{r['regions']:>9}{r['best_ms']:>10.3f}"
+                      f"{r['median_ms']:>10.3f}{r['best_gib_s']:>12.2f}{r['median_gib_s']:>11.2f}"
+                      f"{r['pct_of_roofline_best']:>11.0f}%")
     for name, res in results.items():
         print(f"{name}: first transfer {res['first_transfer_ms']:.1f} ms (connection / communicator set-up)")
 

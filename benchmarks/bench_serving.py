@@ -103,6 +103,8 @@ class Result:
     pieces: List[str] = field(default_factory=list)
     start: float = field(default_factory=time.perf_counter)
     last: float = 0.0
+    key: str = ""
+    """"<session>.<turn>": the same request across runs of one workload."""
 
     def add_text(self, text: str) -> None:
         """A streamed piece of text arrived: the first sets TTFT, later ones add an inter-token latency."""
@@ -176,28 +178,29 @@ async def run_load(args, sessions: List[List[Turn]]) -> tuple:
 
     async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout, headers=headers,
                                  limits=limits) as client:
-        async def one(turn: Turn, history: List[Dict[str, str]]) -> Result:
+        async def one(turn: Turn, history: List[Dict[str, str]], key: str) -> Result:
             if sem is None:
                 res = await send(client, args, turn, history)
             else:
                 async with sem:
                     res = await send(client, args, turn, history)
+            res.key = key
             results.append(res)
             bar.update(1)
             return res
 
-        async def session(turns: List[Turn]) -> None:
+        async def session(turns: List[Turn], index: int) -> None:
             history: List[Dict[str, str]] = []
-            for turn in turns:
-                res = await one(turn, history)
+            for t, turn in enumerate(turns):
+                res = await one(turn, history, f"{index}.{t}")
                 if turn.question is not None:
                     history = history + [{"role": "user", "content": turn.question},
                                          {"role": "assistant", "content": res.text}]
 
         tasks = []
         start = time.perf_counter()
-        for s in sessions:
-            tasks.append(asyncio.ensure_future(session(s)))
+        for index, s in enumerate(sessions):
+            tasks.append(asyncio.ensure_future(session(s, index)))
             if args.request_rate != math.inf:
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         await asyncio.gather(*tasks)

@@ -63,7 +63,7 @@ class _Peer:
         asyncio.run(self.backend.wait(handle, timeout_s))
 
     def expect_many(self, peer: str, transfers: list[tuple], timeout_s: float) -> None:
-        """Expect every (dst_pages, transfer_id[, buffer_ids]) at once, in the given order, and wait for all."""
+        """Expect every (dst_pages, transfer_id) at once, in the given order, and wait for all."""
         handles = [self.backend.expect(peer, *transfer) for transfer in transfers]
 
         async def wait_all():

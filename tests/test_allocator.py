@@ -58,3 +58,34 @@ def test_req_to_token_rows():
     assert pool.available_size() == 0
     pool.free(r)
     assert pool.available_size() == 1
+
+
+def test_pages_come_back_sorted_so_allocations_stay_consecutive():
+    a = TokenToKVPoolAllocator(num_pages=9, page_size=2)
+    first = a.alloc_pages(6)
+    assert first.tolist() == [1, 2, 3, 4, 5, 6]
+    a.free(torch.tensor([10, 4, 6, 2]))  # slots of pages 5, 2, 3, 1 (freed out of order)
+    assert a.available_size() == 6 * 2
+    assert a.alloc_pages(2).tolist() == [7, 8]  # the never-used pages first
+    assert a.alloc_pages(3).tolist() == [1, 2, 3]  # then the freed ones, merged in ascending order
+    assert a.alloc_pages(2) is None and a.available_size() == 2
+    assert a.alloc_pages(1).tolist() == [5]
+
+
+def test_kv_pool_is_token_major_with_per_layer_views():
+    from engine.memory.kv_pool import KVPool
+
+    pool = KVPool(num_slots=6, num_layers=3, num_kv_heads=2, head_dim=4, dtype=torch.float32,
+                  device=torch.device("cpu"))
+    k, v = torch.randn(2, 2, 4), torch.randn(2, 2, 4)
+    pool.set_kv_buffer(1, torch.tensor([4, 2]), k, v)
+    k_buf, v_buf = pool.get_kv_buffer(1)
+    assert k_buf.shape == (6, 2, 4) and k_buf.stride() == (3 * 2 * 2 * 4, 4, 1)
+    assert torch.equal(k_buf[4], k[0]) and torch.equal(v_buf[2], v[1])
+    assert torch.equal(pool.kv_data[4, 1, 0], k[0]) and torch.equal(pool.kv_data[2, 1, 1], v[1])
+    rows = pool.slot_rows()
+    assert rows.shape == (6, 3 * 2 * 2 * 4) and rows.is_contiguous()
+    assert rows.data_ptr() == pool.kv_data.data_ptr()
+    # Slot s's row holds layer l's K at [l*16, l*16+8) and V right after it.
+    assert torch.equal(rows[4, 16:24].view(2, 4), k[0]) and torch.equal(rows[2, 24:32].view(2, 4), v[1])
+    assert not rows[[0, 1, 3, 5]].any()

@@ -133,6 +133,31 @@ def test_gpu_flashinfer_matches_torch_native(dtype, heads, kv_heads, head_dim, m
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["flashinfer", "triton"])
+@pytest.mark.parametrize("mode,seq_lens,prefix_lens", [
+    (ForwardMode.EXTEND, [1000, 70, 9], [0, 64, 8]),
+    (ForwardMode.DECODE, [2049, 1, 777], [2048, 0, 776]),
+])
+def test_gpu_backends_address_a_large_token_major_pool(name, mode, seq_lens, prefix_lens):
+    """Llama-3.1-8B's pool shape (32 layers, 8 KV heads × 128, bf16: 65,536 elements per slot) with the data
+    beyond slot 40,000 of the last layer: element offsets pass 2**31, so 32-bit offset arithmetic would fail."""
+    if name == "flashinfer":
+        _flashinfer_or_skip()
+    elif not GPU:
+        pytest.skip("needs a CUDA device")
+    from test_triton_kernels import ATOL, run_backend
+
+    args = (mode, seq_lens, prefix_lens, 32, 8, 128, torch.bfloat16)
+    out, k_buf, v_buf = run_backend(name, *args, num_layers=32, slot_offset=40_000)
+    assert k_buf.stride(0) * 40_000 > 2 ** 31
+    ref, k_ref, v_ref = run_backend("torch_native", *args)
+    assert torch.equal(k_buf, k_ref) and torch.equal(v_buf, v_ref)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2 * ATOL[torch.bfloat16], rtol=0)
+    del out, k_buf, v_buf
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
 def test_gpu_flashinfer_rejects_float32():
     _flashinfer_or_skip()
     from engine.memory.kv_pool import KVPool

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cluster.kv_transfer import (KVTransferError, KVTransferTimeout, PageRun, TransferStatus, kv_pool_buffers,
-                                 layer_buffer_ids, make_backend, page_runs)
+                                 make_backend, page_runs)
 from kv_transfer_harness import NUM_LAYERS, PAGE_SIZE, PeerProcess, fill, make_pool
 
 WRITER_PAGES, READER_PAGES = 64, 48
@@ -98,7 +98,7 @@ def test_nixl_random_pages_arrive_with_notification(nixl_pair):
     assert reader.call("live_handles") == 0
 
 
-def test_nixl_moves_one_region_per_buffer_per_page_run(nixl_pair):
+def test_nixl_moves_one_region_per_page_run_of_a_token_major_pool(nixl_pair):
     _, _, reader = nixl_pair
     pool = make_pool(16)
     writer = make_backend("nixl", "prefill-telemetry", kv_pool_buffers(pool), PAGE_SIZE, capture_telemetry=True)
@@ -110,7 +110,11 @@ def test_nixl_moves_one_region_per_buffer_per_page_run(nixl_pair):
         while writer.poll(handle) is TransferStatus.PENDING:
             time.sleep(0.001)
         assert writer.poll(handle) is TransferStatus.DONE
-        assert writer.regions(handle) == len(page_runs(np.array(src), np.array(dst))) * 2 * NUM_LAYERS
+        # The pool is token-major: one buffer, so a run is one region across all layers' K and V.
+        assert writer.layout.num_buffers == 1
+        assert writer.layout.page_bytes == PAGE_SIZE * pool.bytes_per_token(NUM_LAYERS, pool.num_kv_heads,
+                                                                            pool.head_dim, pool.dtype)
+        assert writer.regions(handle) == len(page_runs(np.array(src), np.array(dst))) == 4
         writer.release(handle)
     finally:
         writer.close()
@@ -123,47 +127,6 @@ def test_nixl_receiver_rejects_a_write_to_other_pages(nixl_pair):
     writer.wait_sync(writer.write("decode-0", [1, 2], [30, 32], tid), 30.0)
     with pytest.raises(KVTransferError, match="digest mismatch"):
         reader.finish_call()
-
-
-def test_nixl_layer_by_layer_writes_move_only_their_buffers(nixl_pair):
-    writer, buffers, reader = nixl_pair
-    src, dst = [10, 11, 12, 40], [33, 34, 35, 36]
-    before = reader.call("buffers_cpu")
-    layers = [layer_buffer_ids([layer], NUM_LAYERS) for layer in range(NUM_LAYERS)]
-    assert layers[0] == [0, NUM_LAYERS]
-    tids = [_tid() for _ in layers]
-    reader.start_call("expect_many", "prefill-0", [(dst, tids[0], layers[0])], 30.0)
-    handle = writer.write("decode-0", src, dst, tids[0], buffer_ids=layers[0])
-    assert handle.nbytes == len(src) * writer.layout.page_bytes * 2
-    writer.wait_sync(handle, 30.0)
-    reader.finish_call()
-    after = reader.call("buffers_cpu")
-    for b, (old, new) in enumerate(zip(before, after)):
-        moved = b in layers[0]
-        old, new = old.view(-1, PAGE_SIZE, *old.shape[1:]), new.view(-1, PAGE_SIZE, *new.shape[1:])
-        sent = buffers[b].view(-1, PAGE_SIZE, *buffers[b].shape[1:])
-        assert torch.equal(new[dst], sent[src] if moved else old[dst]), f"buffer {b}"
-        others = [p for p in range(READER_PAGES) if p not in dst]
-        assert torch.equal(new[others], old[others]), f"buffer {b} changed outside the dst pages"
-    rest = [(dst, tid, ids) for tid, ids in zip(tids[1:], layers[1:])]
-    reader.start_call("expect_many", "prefill-0", rest, 30.0)
-    for _, tid, ids in rest:
-        writer.wait_sync(writer.write("decode-0", src, dst, tid, buffer_ids=ids), 30.0)
-    reader.finish_call()
-    for new, sent in zip(reader.call("buffers_cpu"), buffers):
-        r_pages, s_pages = new.view(-1, PAGE_SIZE, *new.shape[1:]), sent.view(-1, PAGE_SIZE, *sent.shape[1:])
-        assert torch.equal(r_pages[dst], s_pages[src])
-
-    # The receiver expects other buffers than the writer writes: caught.
-    tid = _tid()
-    reader.start_call("expect", "prefill-0", [20], tid, 30.0)  # all buffers
-    writer.wait_sync(writer.write("decode-0", [1], [20], tid, buffer_ids=[1]), 30.0)
-    with pytest.raises(KVTransferError, match="digest mismatch"):
-        reader.finish_call()
-    for bad, match in [([], "non-empty"), ([2 * NUM_LAYERS], r"\[0, 4\)"), ([-1], "ids in"), ([1, 1], "duplicates")]:
-        with pytest.raises(KVTransferError, match=match):
-            writer.write("decode-0", [1], [20], _tid(), buffer_ids=bad)
-    assert not writer._live
 
 
 def test_nixl_expect_never_written_times_out_and_releases(nixl_pair):
@@ -213,7 +176,7 @@ def test_nixl_invalid_peers_ids_and_layouts_raise(nixl_pair):
 
     other = make_backend("nixl", "decode-bf16", kv_pool_buffers(make_pool(8, dtype=torch.bfloat16)), PAGE_SIZE)
     try:
-        with pytest.raises(KVTransferError, match="page_bytes: local 256 vs peer 128.*dtype"):
+        with pytest.raises(KVTransferError, match="page_bytes: local 1024 vs peer 512.*dtype"):
             writer.connect(other.info())
     finally:
         other.close()

@@ -156,12 +156,19 @@ def test_extend_half_precision(dtype):
 
 # ---------------------------------------------------------------------------------------------- backend
 
-def run_backend(name, mode, seq_lens, prefix_lens, num_heads, num_kv_heads, head_dim, dtype, seed=0):
-    """One forward of backend `name` on a fresh scattered pool; -> (out, k_buf, v_buf)."""
+def run_backend(name, mode, seq_lens, prefix_lens, num_heads, num_kv_heads, head_dim, dtype, seed=0,
+                num_layers=1, slot_offset=0):
+    """One forward of backend `name` on a fresh scattered pool; -> (out, k_buf, v_buf).
+
+    The pool is the engine's token-major KVPool with `num_layers` layers; the forward runs on the last layer,
+    and every slot is moved up by `slot_offset` (to reach element offsets beyond 2**31 in a large pool)."""
     p = Paged(seq_lens, num_kv_heads, head_dim, dtype, seed=seed)
-    pool = KVPool(p.k_buf.shape[0], 1, num_kv_heads, head_dim, dtype, DEVICE)
-    pool.k_buffers[0].copy_(p.k_buf)
-    pool.v_buffers[0].copy_(p.v_buf)
+    pool = KVPool(p.k_buf.shape[0] + slot_offset, num_layers, num_kv_heads, head_dim, dtype, DEVICE)
+    layer = num_layers - 1
+    k_pool, v_pool = (buf[slot_offset:] for buf in pool.get_kv_buffer(layer))
+    k_pool.copy_(p.k_buf)
+    v_pool.copy_(p.v_buf)
+    p.req_to_token += slot_offset
     T = sum(s - x for s, x in zip(seq_lens, prefix_lens))
     qkv = p.randn(T, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype)  # strided views, like the model's
     q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
@@ -171,8 +178,8 @@ def run_backend(name, mode, seq_lens, prefix_lens, num_heads, num_kv_heads, head
     batch = ForwardBatch.build(mode, [0] * T, positions, locs, rows, list(seq_lens), list(prefix_lens), DEVICE)
     backend = get_backend_class(name)(p.req_to_token, pool, num_heads, num_kv_heads, head_dim, head_dim ** -0.5)
     backend.init_forward_metadata(batch)
-    out = backend.forward(q, k, v, 0, batch)
-    return out, pool.k_buffers[0], pool.v_buffers[0]
+    out = backend.forward(q, k, v, layer, batch)
+    return out, k_pool, v_pool
 
 
 def check_backend(mode, seq_lens, prefix_lens, num_heads, num_kv_heads, head_dim, dtype):
@@ -190,6 +197,20 @@ def check_backend(mode, seq_lens, prefix_lens, num_heads, num_kv_heads, head_dim
 ])
 def test_backend_matches_torch_native(mode, seq_lens, prefix_lens):
     check_backend(mode, seq_lens, prefix_lens, 8, 2, 64, torch.float32)
+
+
+@pytest.mark.parametrize("mode,seq_lens,prefix_lens", [
+    (ForwardMode.EXTEND, [9, 23], [4, 0]),
+    (ForwardMode.DECODE, [7, 13], [6, 12]),
+])
+def test_backend_on_a_later_layer_of_a_multi_layer_pool(mode, seq_lens, prefix_lens):
+    """The per-layer K/V views of a token-major pool are strided (slot stride = layers × 2 × Hkv × D)."""
+    args = (mode, seq_lens, prefix_lens, 4, 2, 16, torch.float32)
+    out, k_buf, v_buf = run_backend("triton", *args, num_layers=3, slot_offset=5)
+    ref, k_ref, v_ref = run_backend("torch_native", *args, num_layers=3, slot_offset=5)
+    assert k_buf.stride(0) == 3 * 2 * 2 * 16
+    assert torch.equal(k_buf, k_ref) and torch.equal(v_buf, v_ref)
+    torch.testing.assert_close(out, ref, atol=2 * ATOL[torch.float32], rtol=0)
 
 
 def test_backend_is_registered():

@@ -15,9 +15,9 @@ Data flow of one handoff and who owns each stage:
 The engines own the pages on both sides and free them; backends only register the buffers
 once, describe them (KVLayout, PeerInfo: frozen, picklable) and move bytes. `wait` always
 releases the handle; failures raise KVTransferError, time-outs KVTransferTimeout.
-Layer-by-layer pipelining: one write/expect per layer group under distinct transfer ids, with
-`buffer_ids=layer_buffer_ids(layers, num_layers)`; on GPU a NIXL write waits (without
-blocking) for the kernels queued before it, so it can be issued right after a layer's kernels.
+A KVPool is token-major (engine/memory/kv_pool.py): `kv_pool_buffers` gives ONE buffer whose
+page p holds every layer's K and V of its tokens, so a run of consecutive pages travels as one
+region. On GPU a NIXL write waits (without blocking) for the kernels queued before it.
 
 Backends (registry below, imported lazily): "nixl" (UCX; GPU or host memory) in nixl.py,
 "nccl" (2-rank NCCL communicator per pair; GPU only) in nccl.py. The contract is in base.py.
@@ -51,10 +51,6 @@ def make_backend(name: str, agent_name: str, buffers: Sequence[Any], page_size: 
 
 
 def kv_pool_buffers(pool: Any) -> list[Any]:
-    """A KVPool's buffers in transfer order: K of every layer, then V of every layer."""
-    return list(pool.k_buffers) + list(pool.v_buffers)
-
-
-def layer_buffer_ids(layers: Sequence[int], num_layers: int) -> list[int]:
-    """Ids (in kv_pool_buffers order) of the K and V buffers of `layers`: for layer-by-layer writes."""
-    return [layer for layer in layers] + [num_layers + layer for layer in layers]
+    """A KVPool's memory as transfer buffers: one buffer, (num_slots, values per token), slot rows contiguous
+    (the pool is token-major), so a run of consecutive slots travels as one region across all layers."""
+    return [pool.slot_rows()]

@@ -181,7 +181,7 @@ class TransferHandle:
     nbytes: int
     """Payload bytes: num_pages × page_bytes × len(buffer_ids)."""
     buffer_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    """(k,) int64: the buffers this transfer moves (all of them unless the caller chose some)."""
+    """(num_buffers,) int64: the buffers this transfer moves (all of them)."""
     started: float = field(default_factory=time.monotonic)
     error: Optional[str] = None
     """Why the transfer failed (set when poll returns FAILED)."""
@@ -235,14 +235,8 @@ class KVTransferBackend(abc.ABC):
         self._connect(peer)
         self._peers[peer.name] = peer
 
-    def write(self, peer: str, src_pages: Any, dst_pages: Any, transfer_id: str,
-              buffer_ids: Optional[Sequence[int]] = None) -> TransferHandle:
-        """Start writing local src_pages into the peer's dst_pages (asynchronous; writer side).
-
-        `buffer_ids` limits the transfer to those buffers (e.g. `layer_buffer_ids` of the layers
-        computed so far, for layer-by-layer pipelining under distinct transfer ids); the
-        receiver's expect must name the same ones.
-        """
+    def write(self, peer: str, src_pages: Any, dst_pages: Any, transfer_id: str) -> TransferHandle:
+        """Start writing local src_pages into the peer's dst_pages, in every buffer (asynchronous; writer side)."""
         info = self._peer(peer)
         src = as_pages(src_pages, "src_pages")
         dst = as_pages(dst_pages, "dst_pages")
@@ -250,17 +244,16 @@ class KVTransferBackend(abc.ABC):
             raise KVTransferError(f"src_pages has {src.size} pages, dst_pages {dst.size}: lengths must match")
         check_pages(src, self.layout.num_pages, "src_pages", unique=False)
         check_pages(dst, info.layout.num_pages, "dst_pages", unique=True)
-        handle = self._new_handle("write", peer, transfer_id, src.size, buffer_ids)
+        handle = self._new_handle("write", peer, transfer_id, src.size)
         self._start(handle, lambda: self._start_write(handle, info, src, dst))
         return handle
 
-    def expect(self, peer: str, dst_pages: Any, transfer_id: str,
-               buffer_ids: Optional[Sequence[int]] = None) -> TransferHandle:
+    def expect(self, peer: str, dst_pages: Any, transfer_id: str) -> TransferHandle:
         """Await the peer's write of transfer_id into local dst_pages (receiver side)."""
         self._peer(peer)
         dst = as_pages(dst_pages, "dst_pages")
         check_pages(dst, self.layout.num_pages, "dst_pages", unique=True)
-        handle = self._new_handle("expect", peer, transfer_id, dst.size, buffer_ids)
+        handle = self._new_handle("expect", peer, transfer_id, dst.size)
         self._start(handle, lambda: self._start_expect(handle, dst))
         return handle
 
@@ -325,19 +318,12 @@ class KVTransferBackend(abc.ABC):
                                   f"(known: {sorted(self._peers)})")
         return info
 
-    def _new_handle(self, role: str, peer: str, transfer_id: str, num_pages: int,
-                    buffer_ids: Optional[Sequence[int]]) -> TransferHandle:
+    def _new_handle(self, role: str, peer: str, transfer_id: str, num_pages: int) -> TransferHandle:
         if not isinstance(transfer_id, str) or not transfer_id:
             raise KVTransferError("transfer_id must be a non-empty string")
         if (role, transfer_id) in self._live:
             raise KVTransferError(f"transfer_id {transfer_id!r} is already in flight ({role})")
         bufs = np.arange(self.layout.num_buffers, dtype=np.int64)
-        if buffer_ids is not None:
-            bufs = as_pages(buffer_ids, "buffer_ids")
-            if bufs.size == 0 or bufs.min() < 0 or bufs.max() >= self.layout.num_buffers:
-                raise KVTransferError(f"buffer_ids must be non-empty ids in [0, {self.layout.num_buffers})")
-            if np.unique(bufs).size != bufs.size:
-                raise KVTransferError("buffer_ids holds duplicates")
         handle = TransferHandle(transfer_id, peer, role, num_pages, num_pages * self.layout.page_bytes * bufs.size,
                                 buffer_ids=bufs)
         self._live[(role, transfer_id)] = handle

@@ -8,6 +8,11 @@ handed out are always >= page_size.
 Bookkeeping lives on the CPU (a stack of free page ids plus a free mask that
 catches double frees); the slot indices returned are CPU int64 tensors that the
 caller moves to the device once per batch.
+
+Contiguity: the stack hands out ascending page ids, and freed pages wait in a
+separate list that is merged back, sorted, only when the stack runs short (as
+SGLang does). So the pages of one allocation are mostly consecutive, which lets a
+KV handoff move them as few long runs (one transfer region per run).
 """
 from __future__ import annotations
 
@@ -27,6 +32,9 @@ class TokenToKVPoolAllocator:
     def _init_free_list(self) -> None:
         # Pop from the end: lowest page ids are handed out first.
         self._free_pages: List[int] = list(range(self.num_pages - 1, 0, -1))
+        """Free page ids, descending: the next ones handed out are at the end."""
+        self._released: List[int] = []
+        """Pages freed since the last merge into _free_pages (any order)."""
         self._is_free = torch.ones(self.num_pages, dtype=torch.bool)
         self._is_free[0] = False
 
@@ -37,7 +45,7 @@ class TokenToKVPoolAllocator:
 
     def available_size(self) -> int:
         """Free token slots."""
-        return len(self._free_pages) * self.page_size
+        return (len(self._free_pages) + len(self._released)) * self.page_size
 
     def clear(self) -> None:
         self._init_free_list()
@@ -45,7 +53,10 @@ class TokenToKVPoolAllocator:
     def alloc_pages(self, n: int) -> Optional[torch.Tensor]:
         """(n,) int64 page ids, or None (nothing taken) when fewer than n are free."""
         if n > len(self._free_pages):
-            return None
+            if n > len(self._free_pages) + len(self._released):
+                return None
+            self._free_pages = sorted(self._free_pages + self._released, reverse=True)
+            self._released = []
         if n == 0:
             return torch.empty(0, dtype=torch.int64)
         pages = self._free_pages[-n:]
@@ -107,4 +118,4 @@ class TokenToKVPoolAllocator:
         if bool(self._is_free[pages].any()) or bool((pages == 0).any()):
             raise RuntimeError(f"double free of KV pages {pages[self._is_free[pages]].tolist()[:8]}")
         self._is_free[pages] = True
-        self._free_pages.extend(pages.tolist())
+        self._released.extend(pages.tolist())

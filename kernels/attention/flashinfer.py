@@ -1,7 +1,9 @@
 """FlashInferAttnBackend: paged attention with FlashInfer's kernels (the default on GPU).
 
 The KV pool is used in place as FlashInfer's paged cache with page size 1 (one token per "page"), NHD
-layout: layer l's k_buffers[l] (num_slots, Hkv, D) is viewed as (num_slots, 1, Hkv, D). Each forward:
+layout: layer l's k_buffers[l] (num_slots, Hkv, D) is viewed as (num_slots, 1, Hkv, D). Those are strided
+views of the token-major pool (slot stride num_layers·2·Hkv·D elements); FlashInfer reads the strides of the
+K/V tensors it is given (its paged_kv_t takes a page stride and computes offsets in 64 bits). Each forward:
 
     init_forward_metadata:  host  kv_indptr = cumsum(seq_lens_cpu), qo_indptr = cumsum(extend_seq_lens_cpu)
                             device kv_indices = req_to_token rows flattened (one Triton launch, no sync)
