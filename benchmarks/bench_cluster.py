@@ -37,6 +37,8 @@ import sys
 import time
 from typing import Any, Dict, List
 
+import httpx
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -84,8 +86,11 @@ def run_variant(variant: Dict[str, Any], args, load_args: List[str]) -> Dict[str
     startup_s = time.perf_counter() - t0
     out: Dict[str, Any] = {"startup_s": startup_s}
     try:
+        served = httpx.get(f"{args.base_url}/v1/models", timeout=30).json()["data"][0]["id"]
         for label, workload_args in args.workloads:
-            wl = bs.build_parser().parse_args(load_args + workload_args + ["--base-url", args.base_url])
+            # The served model's name first: --model in the load options wins.
+            wl = bs.build_parser().parse_args(["--model", served] + load_args + workload_args
+                                              + ["--base-url", args.base_url])
             sessions = bs.make_workload(wl)
             before = bs.server_cache_counters(wl.base_url, None)
             results, duration = asyncio.run(bs.run_load(wl, sessions))
