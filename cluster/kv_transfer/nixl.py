@@ -1,9 +1,11 @@
 """NixlBackend: KV pages over NIXL's UCX backend (GPU memory as VRAM_SEG, host memory as DRAM_SEG).
 
-Descriptors are prepared once: locally at start-up, per peer at connect(). Each prepared list
-holds one descriptor per (buffer, page), descriptor index = buffer × num_pages + page, so a
-transfer costs two index arrays; NIXL merges descriptors consecutive on both sides, so a run
-of pages travels as one region per buffer.
+Descriptors are built per transfer: one (address, bytes, device) region per buffer per run of
+pages consecutive on both sides (`page_runs`), local and remote, handed to `initialize_xfer`.
+Why not lists prepared once with one descriptor per page (`prep_xfer_dlist` + indices): on 2×
+H200 that path moved a one-run 64 MiB transfer at ~45% of the copy bandwidth and its cost grew
+with the page count (a page is one token here), and preparing one descriptor per page of a
+large pool (10^5-10^6 pages) per peer costs memory and start-up time.
 
     writer (prefill)                                   receiver (decode)
     write(peer, src, dst, id) ── UCX WRITE ──────────▶ buffers[b][dst pages]
@@ -36,7 +38,7 @@ import numpy as np
 import torch
 
 from cluster.kv_transfer.base import (KVTransferBackend, KVTransferError, PeerInfo, TransferHandle,
-                                      TransferStatus, transfer_digest)
+                                      TransferStatus, page_runs, transfer_digest)
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +53,9 @@ class _Write:
     """Writer-side state of one transfer."""
 
     local: np.ndarray
-    """(len(buffer_ids) × n,) int32 indices into the local prepared descriptors."""
+    """(regions, 3) int64 rows (address, bytes, device id) of the src runs."""
     remote: np.ndarray
-    """(len(buffer_ids) × n,) int32 indices into the peer's prepared descriptors."""
+    """(regions, 3) int64 rows of the dst runs in the peer's buffers, in the same order."""
     notif: bytes
     ready: Any = None
     """CUDA event recorded at write(): posting waits for it (None for host memory)."""
@@ -86,19 +88,19 @@ def import_nixl() -> Any:
                           + "; ".join(errors))
 
 
-def _descriptor_rows(addrs: Sequence[int], page_bytes: int, num_pages: int, device: str) -> np.ndarray:
-    """(num_buffers, 5) int64 strided rows: (base, page_bytes, device id, stride, num_pages)."""
+def _run_rows(addrs: Sequence[int], buffer_ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
+              page_bytes: int, device: str) -> np.ndarray:
+    """(len(buffer_ids) × runs, 3) int64 rows (address, bytes, device id): runs of pages `starts[i]`..
+    `starts[i] + lengths[i] - 1` in each buffer, buffer-major."""
     dev_id = torch.device(device).index or 0
-    return np.array([(a, page_bytes, dev_id, page_bytes, num_pages) for a in addrs], dtype=np.int64)
+    bases = np.asarray(addrs, dtype=np.int64)[buffer_ids]
+    addr = (bases[:, None] + starts[None, :] * page_bytes).ravel()
+    nbytes = np.tile(lengths * page_bytes, bases.size)
+    return np.stack([addr, nbytes, np.full_like(addr, dev_id)], axis=1)
 
 
 def _mem_type(device: str) -> str:
     return "DRAM" if device == "cpu" else "VRAM"
-
-
-def _indices(pages: np.ndarray, buffer_ids: np.ndarray, num_pages: int) -> np.ndarray:
-    """(len(buffer_ids) × n,) int32 descriptor indices, buffer-major, page order kept within a buffer."""
-    return (buffer_ids[:, None] * num_pages + pages[None, :]).ravel().astype(np.int32)
 
 
 class NixlBackend(KVTransferBackend):
@@ -112,9 +114,7 @@ class NixlBackend(KVTransferBackend):
         self._nixl = import_nixl()
         self._init_env()
         self._init_agent(num_threads, capture_telemetry)
-        self._init_local_descs()
         self._instance = uuid.uuid4().hex
-        self._remote_descs: dict[str, Any] = {}
         self._arrived: dict[tuple[str, str], tuple[int, float]] = {}
         """(peer, transfer_id) → (digest, arrival time) of notifications not yet matched."""
         self._abandoned: dict[tuple[str, str], float] = {}
@@ -135,11 +135,6 @@ class NixlBackend(KVTransferBackend):
             raise KVTransferError("NIXL's UCX backend plugin is not available in this installation")
         self._reg = self.agent.register_memory(self.buffers)
 
-    def _init_local_descs(self) -> None:
-        rows = _descriptor_rows([b.data_ptr() for b in self.buffers], self.layout.page_bytes,
-                                self.layout.num_pages, self.layout.device)
-        self._local_descs = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, mem_type=_mem_type(self.layout.device))
-
     def info(self) -> PeerInfo:
         return PeerInfo(name=self.agent_name, backend=self.name, layout=self.layout, instance=self._instance,
                         buffer_addrs=tuple(b.data_ptr() for b in self.buffers),
@@ -157,22 +152,11 @@ class NixlBackend(KVTransferBackend):
         if remote != peer.name:
             self.agent.remove_remote_agent(remote)
             raise KVTransferError(f"NIXL metadata names agent {remote!r}, PeerInfo names {peer.name!r}")
-        rows = _descriptor_rows(peer.buffer_addrs, peer.layout.page_bytes, peer.layout.num_pages, peer.layout.device)
-        try:
-            self._remote_descs[peer.name] = self.agent.prep_xfer_dlist(peer.name, rows,
-                                                                       mem_type=_mem_type(peer.layout.device))
-        except Exception as e:
-            self.agent.remove_remote_agent(peer.name)
-            raise KVTransferError(f"NIXL could not describe the buffers of peer {peer.name!r}: "
-                                  f"{type(e).__name__}: {e}") from e
 
     def _disconnect(self, peer: PeerInfo) -> None:
         for handle in [h for h in self._live.values() if h.peer == peer.name]:
             self.release(handle)
-        descs = self._remote_descs.pop(peer.name, None)
         try:
-            if descs is not None:
-                descs.release()
             self.agent.remove_remote_agent(peer.name)
         except Exception as e:  # a peer that died may already be gone from the agent
             logger.warning("disconnecting NIXL peer %r: %s", peer.name, e)
@@ -181,8 +165,14 @@ class NixlBackend(KVTransferBackend):
     # ---- transfers
     def _start_write(self, handle: TransferHandle, peer: PeerInfo, src: np.ndarray, dst: np.ndarray) -> None:
         notif = _NOTIF_PREFIX + f"{handle.transfer_id}|{transfer_digest(dst, handle.buffer_ids)}".encode()
-        write = _Write(_indices(src, handle.buffer_ids, self.layout.num_pages),
-                       _indices(dst, handle.buffer_ids, peer.layout.num_pages), notif)
+        runs = page_runs(src, dst)
+        src_starts, dst_starts, lengths = (np.array([getattr(r, f) for r in runs], dtype=np.int64)
+                                           for f in ("src_start", "dst_start", "length"))
+        page_bytes = self.layout.page_bytes
+        write = _Write(_run_rows([b.data_ptr() for b in self.buffers], handle.buffer_ids, src_starts, lengths,
+                                 page_bytes, self.layout.device),
+                       _run_rows(peer.buffer_addrs, handle.buffer_ids, dst_starts, lengths, page_bytes,
+                                 peer.layout.device), notif)
         if self.layout.device != "cpu":  # post once the work queued so far (the src pages' producer) is done
             write.ready = torch.cuda.Event()
             write.ready.record(torch.cuda.current_stream(self.buffers[0].device))
@@ -194,8 +184,10 @@ class NixlBackend(KVTransferBackend):
         if write.ready is not None and not write.ready.query():
             return
         try:  # runtime failures (peer gone) surface through poll/wait, like those after posting
-            write.xfer = self.agent.make_prepped_xfer("WRITE", self._local_descs, write.local,
-                                                      self._remote_descs[handle.peer], write.remote, write.notif)
+            mem = _mem_type(self.layout.device)
+            write.xfer = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(write.local, mem),
+                                                    self.agent.get_xfer_descs(write.remote, mem), handle.peer,
+                                                    write.notif)
             if self.agent.transfer(write.xfer) == "ERR":
                 handle.error = "NIXL could not post the WRITE"
         except Exception as e:  # the bindings raise their own exception types (nixl*Error)
@@ -241,8 +233,8 @@ class NixlBackend(KVTransferBackend):
         return TransferStatus.DONE
 
     def regions(self, handle: TransferHandle) -> int:
-        """Memory regions NIXL moved for a DONE, unreleased write (after merging consecutive
-        descriptors): len(buffer_ids) × page runs. Needs capture_telemetry=True."""
+        """Memory regions NIXL moved for a DONE, unreleased write: num_buffers × page runs.
+        Needs capture_telemetry=True."""
         self._check_live(handle)
         if handle.role != "write" or handle.state.xfer is None:
             raise KVTransferError("regions() needs a posted write handle")
@@ -277,5 +269,4 @@ class NixlBackend(KVTransferBackend):
                 logger.warning("releasing NIXL transfer %r: %s", handle.transfer_id, e)
 
     def _close(self) -> None:
-        self._local_descs.release()
         self.agent.deregister_memory(self._reg)
