@@ -68,6 +68,25 @@ def variant_name(variant: Dict[str, Any]) -> str:
     return ",".join(f"{k}={v}" for k, v in variant.items()) or "default"
 
 
+def handoff_counters(base_url: str) -> Dict[str, float]:
+    """The decode replicas' handoff counters (cluster.disaggregated.HANDOFF_COUNTERS), summed; {} in unified mode."""
+    from cluster.disaggregated import HANDOFF_COUNTERS
+
+    workers = httpx.get(f"{base_url}/router/stats", timeout=30).json()["workers"].values()
+    return {k: sum(w["engine"].get(k, 0.0) for w in workers) for k in HANDOFF_COUNTERS}
+
+
+def handoff_breakdown(before: Dict[str, float], after: Dict[str, float]) -> Dict[str, float]:
+    """Mean milliseconds per handed-over request of each stage over one workload ({} when none)."""
+    n = after.get("handoff_requests", 0) - before.get("handoff_requests", 0)
+    if not n:
+        return {}
+    out = {k[len("handoff_"):-2] + "_ms": (after[k] - before[k]) / n * 1e3 for k in after if k.endswith("_s")}
+    out["overhead_ms"] = out["reserve_ms"] + out["call_ms"] - out["prefill_compute_ms"] + out["expect_ms"]
+    out["requests"] = n
+    return out
+
+
 def run_variant(variant: Dict[str, Any], args, load_args: List[str]) -> Dict[str, Any]:
     """Start the cluster of `variant`, run every dataset, stop it. Returns {dataset: summary}."""
     from ray import serve
@@ -93,9 +112,16 @@ def run_variant(variant: Dict[str, Any], args, load_args: List[str]) -> Dict[str
                                               + ["--base-url", args.base_url])
             sessions = bs.make_workload(wl)
             before = bs.server_cache_counters(wl.base_url, None)
+            handoff_before = handoff_counters(wl.base_url)
             results, duration = asyncio.run(bs.run_load(wl, sessions))
+            time.sleep(4 * common["report_interval_s"])  # the router's view of the workers' counters catches up
             after = bs.server_cache_counters(wl.base_url, None)
             out[label] = bs.summarize(results, duration, before, after)
+            out[label]["handoff_ms"] = handoff_breakdown(handoff_before, handoff_counters(wl.base_url))
+            if out[label]["handoff_ms"]:
+                print(f"  {name} / {label}: handoff per request (ms) "
+                      + ", ".join(f"{k[:-3]} {v:.2f}" for k, v in out[label]["handoff_ms"].items() if k != "requests"),
+                      flush=True)
             out[label]["output_digests"] = {r.key: hashlib.sha1(r.text.encode()).hexdigest()[:16]
                                             for r in results if r.ok}
             print(f"  {name} / {label}: hit rate {out[label].get('server_cache_hit_rate')}, "

@@ -217,7 +217,8 @@ def server_cache_counters(base_url: str, api_key: Optional[str]) -> Optional[Dic
     try:
         r = httpx.get(f"{base_url}/router/stats", headers=headers, timeout=10)
         if r.status_code == 200:
-            ws = r.json()["workers"].values()
+            # Decode replicas of a disaggregated cluster count imported prompts again: the computing pools only.
+            ws = [w for w in r.json()["workers"].values() if w.get("pool") != "decode"]
             return {"source": "router_stats", "prompt_tokens": sum(w["engine"].get("prompt_tokens", 0) for w in ws),
                     "cached_tokens": sum(w["engine"].get("cached_tokens", 0) for w in ws),
                     "workers": len(ws)}

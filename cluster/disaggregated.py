@@ -25,6 +25,7 @@ reported to the router first so that the new pair avoids them. Later failures re
 import asyncio
 import dataclasses
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Dict, List, Optional
@@ -75,6 +76,24 @@ class TransferTarget:
     transfer_id: str
 
 
+@dataclass(frozen=True)
+class PrefillResult:
+    """Prefill side → decode side: the engine's PrefillHandoff and where the prefill call's time went."""
+    handoff: Any
+    """engine.scheduler.handoff.PrefillHandoff (first token, logprobs)."""
+    compute_s: float
+    """Queueing and computing the prompt in the prefill engine."""
+    transfer_s: float
+    """Writing the KV into the decode replica's pages, until the writer's handle is done."""
+
+
+HANDOFF_COUNTERS = ("handoff_requests", "handoff_reserve_s", "handoff_call_s", "handoff_prefill_compute_s",
+                    "handoff_prefill_transfer_s", "handoff_expect_s")
+"""Decode replicas' handoff counters (sums over successful handoffs, in the stats they report): request
+arrival → pages reserved; the prefill call (compute + transfer + call overheads); the wait for the
+notification after the call returned. Overhead over a unified TTFT ≈ reserve + call − compute + expect."""
+
+
 async def _awaited(call) -> Any:
     """The result of a DeploymentResponse, as a coroutine (so that it can run as a task)."""
     return await call
@@ -115,14 +134,16 @@ class PrefillWorker(_KVEndpoint, Worker):
                                     f"reached {self.replica_id}")
         self._served.append(rid)
         self.transfer.connect(target.peer)
+        start = time.perf_counter()
         handoff = await self.engine.prefill_for_handoff(input_ids, params, rid=rid)
+        computed = time.perf_counter()
         try:
             src = handoff.pages_from(target.prefix_len)
             handle = self.transfer.write(target.peer.name, src, target.dst_pages, target.transfer_id)
             await self.transfer.wait(handle, self.transfer_timeout_s)
         finally:
             self.engine.release_handoff(rid)
-        return handoff
+        return PrefillResult(handoff, computed - start, time.perf_counter() - computed)
 
 
 class DecodeWorker(_KVEndpoint, Worker):
@@ -135,6 +156,10 @@ class DecodeWorker(_KVEndpoint, Worker):
         self.prefill_pool = prefill
         """DeploymentHandle of the prefill pool (calls pinned by session_id)."""
         self._peers: Dict[str, PeerInfo] = {}
+        self._handoff = dict.fromkeys(HANDOFF_COUNTERS, 0.0)
+
+    def _extra_stats(self) -> Dict[str, float]:
+        return dict(self._handoff)
 
     async def generate(self, input_ids: List[int], params: Any, rid: str) -> AsyncIterator[List[Any]]:
         raise TypeError("decode replicas serve generate_disaggregated (mode=disaggregated)")
@@ -144,7 +169,10 @@ class DecodeWorker(_KVEndpoint, Worker):
                                      prefill_id: str) -> AsyncIterator[List[Any]]:
         """Stream the request like Worker.generate, its prompt computed by prefill replica `prefill_id`."""
 
+        arrived = time.perf_counter()
+
         async def remote_prefill(reservation):
+            self._handoff["handoff_reserve_s"] += time.perf_counter() - arrived
             return await self._remote_prefill(input_ids, params, rid, prefill_id, reservation)
 
         async for batch in self._stream(input_ids, params, rid, remote_prefill=remote_prefill):
@@ -163,8 +191,10 @@ class DecodeWorker(_KVEndpoint, Worker):
         call = self.prefill_pool.options(session_id=prefill_id).prefill.remote(
             input_ids, dataclasses.replace(params, seed=reservation.seed), rid, target)
         result = asyncio.ensure_future(_awaited(call))
+        called = time.perf_counter()
         try:
-            handoff = await asyncio.wait_for(asyncio.shield(result), PREFILL_CALL_TIMEOUT_S)
+            prefilled = await asyncio.wait_for(asyncio.shield(result), PREFILL_CALL_TIMEOUT_S)
+            returned = time.perf_counter()
             await self.transfer.wait(handle, self.transfer_timeout_s)  # the bytes have landed here
         except BaseException as exc:
             if not result.done():
@@ -181,7 +211,12 @@ class DecodeWorker(_KVEndpoint, Worker):
                 self._peers.pop(prefill_id, None)
             raise PrefillFailedError(f"remote prefill on {prefill_id} failed: {cause!r}", prefill_id,
                                      _is_dead(cause)) from None
-        return handoff
+        for key, seconds in (("handoff_call_s", returned - called), ("handoff_prefill_compute_s", prefilled.compute_s),
+                             ("handoff_prefill_transfer_s", prefilled.transfer_s),
+                             ("handoff_expect_s", time.perf_counter() - returned)):
+            self._handoff[key] += seconds
+        self._handoff["handoff_requests"] += 1
+        return prefilled.handoff
 
     async def _settle(self, result: "asyncio.Future") -> None:
         """Wait (bounded) until a cancelled prefill call has finished, whatever its outcome."""

@@ -101,10 +101,14 @@ class Worker:
         stats = await asyncio.to_thread(self.engine.stats)
         events = await asyncio.to_thread(self.engine.drain_cache_events)
         return WorkerReport(self.replica_id, int(stats.get("waiting", 0)), int(stats.get("running", 0)),
-                            float(stats.get("kv_usage", 0.0)), events, dict(stats), time.time())
+                            float(stats.get("kv_usage", 0.0)), events, {**stats, **self._extra_stats()}, time.time())
 
     async def stats(self) -> Dict[str, float]:
-        return await asyncio.to_thread(self.engine.stats)
+        return {**await asyncio.to_thread(self.engine.stats), **self._extra_stats()}
+
+    def _extra_stats(self) -> Dict[str, float]:
+        """Counters of this replica beside the engine's (reported with them)."""
+        return {}
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(self.replica_id, self.engine.context_len, self.engine.runner.vocab_size)
