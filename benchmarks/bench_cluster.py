@@ -58,6 +58,12 @@ def _metric(summary: Dict[str, Any], key: str) -> float:
     return float(value or 0.0)
 
 
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -82,7 +88,7 @@ def handoff_breakdown(before: Dict[str, float], after: Dict[str, float]) -> Dict
     if not n:
         return {}
     out = {k[len("handoff_"):-2] + "_ms": (after[k] - before[k]) / n * 1e3 for k in after if k.endswith("_s")}
-    out["overhead_ms"] = out["reserve_ms"] + out["call_ms"] - out["prefill_compute_ms"] + out["expect_ms"]
+    out["overhead_ms"] = out["call_ms"] - out["prefill_compute_ms"] + out["expect_ms"]  # reserve overlaps the call
     out["requests"] = n
     return out
 
@@ -203,7 +209,7 @@ def main() -> None:
     out = args.out or os.path.join(bs.RESULTS, "cluster_" + "-vs-".join(
         n.replace("=", "").replace(",", "_") for n in names) + f"_kv{args.max_total_tokens}.json")
     with open(out, "w") as f:
-        json.dump({"hardware": hardware(), "args": vars(args), "load_args": load_args, "runs": runs,
+        json.dump({"hardware": {**hardware(), "gpus": _gpu_count()}, "args": vars(args), "load_args": load_args, "runs": runs,
                    "ratios": ratios, "same_outputs_as_first_variant": same}, f, indent=1)
     print(f"wrote {out}")
 

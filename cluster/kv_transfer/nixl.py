@@ -115,6 +115,7 @@ class NixlBackend(KVTransferBackend):
         self._init_env()
         self._init_agent(num_threads, capture_telemetry)
         self._instance = uuid.uuid4().hex
+        self._info: PeerInfo | None = None
         self._arrived: dict[tuple[str, str], tuple[int, float]] = {}
         """(peer, transfer_id) → (digest, arrival time) of notifications not yet matched."""
         self._abandoned: dict[tuple[str, str], float] = {}
@@ -136,9 +137,12 @@ class NixlBackend(KVTransferBackend):
         self._reg = self.agent.register_memory(self.buffers)
 
     def info(self) -> PeerInfo:
-        return PeerInfo(name=self.agent_name, backend=self.name, layout=self.layout, instance=self._instance,
-                        buffer_addrs=tuple(b.data_ptr() for b in self.buffers),
-                        agent_metadata=self.agent.get_agent_metadata())
+        # Built once: the registrations never change, and a decode replica sends it with every prefill call.
+        if self._info is None:
+            self._info = PeerInfo(name=self.agent_name, backend=self.name, layout=self.layout,
+                                  instance=self._instance, buffer_addrs=tuple(b.data_ptr() for b in self.buffers),
+                                  agent_metadata=self.agent.get_agent_metadata())
+        return self._info
 
     # ---- peers
     def _connect(self, peer: PeerInfo) -> None:
