@@ -2,7 +2,7 @@
 
     ScheduleBatch (CPU plan, forward_batch prepared) → model.forward → logits of the
     last new token of each sampled request → Sampler (grammar rows masked by their
-    Req.grammar bitmask) → BatchResult (host lists)
+    Req.grammar bitmask) → LaunchedBatch (device; engine/runner/batch_result.py) → BatchResult (host lists)
 
 Memory layout decided here: KV pool capacity (from `max_total_tokens`, or from the
 device memory left after the weights, an activation estimate and the share that
@@ -13,7 +13,6 @@ unless `disable_cuda_graph`.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import torch
@@ -27,6 +26,7 @@ from engine.memory.req_to_token import ReqToTokenPool
 from engine.models.loader import load_config, load_model
 from engine.models.source import ModelSource
 from engine.request import TokenLogprob
+from engine.runner.batch_result import BatchResult, LaunchedBatch
 from engine.runner.sampler import Sampler, SamplingBatchInfo
 from kernels.attention.base import get_backend_class
 
@@ -37,17 +37,6 @@ logger = logging.getLogger(__name__)
 GPU_FIXED_RESERVE = 1 << 30
 # Rows of the request table beyond max_running_requests (for chunked / retracting requests).
 EXTRA_REQ_ROWS = 8
-
-
-@dataclass
-class BatchResult:
-    """Sampled tokens of `ScheduleBatch.sampled_reqs`, in order (host lists)."""
-
-    next_token_ids: List[int]
-    logprobs: Optional[List[float]] = None
-    top_logprobs: Optional[List[List[tuple]]] = None
-    prompt_logprobs: Dict[int, List[TokenLogprob]] = field(default_factory=dict)
-    """Batch index → logprobs of the prompt tokens this step scored (requests owing prompt logprobs)."""
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -178,9 +167,16 @@ class ModelRunner:
             self.graph_runner = CudaGraphRunner(self.model, self.attn_backend, self.req_to_token_pool, max_bs,
                                                 self.device)
 
-    @torch.inference_mode()
     def run_batch(self, batch) -> BatchResult:
-        """Forward `batch` (a prepared ScheduleBatch) and sample its sampled requests."""
+        """Forward `batch` (a prepared ScheduleBatch), sample its sampled requests, wait for the tokens."""
+        return self.launch_batch(batch).resolve()
+
+    @torch.inference_mode()
+    def launch_batch(self, batch, steps: Optional[List[int]] = None) -> LaunchedBatch:
+        """Queue the forward of `batch` (a prepared ScheduleBatch) and the sampling of its sampled requests
+        on the device, and the copy of the results to the host; on CUDA nothing here waits for the device
+        except prompt logprobs (computed on the host now). `steps`: the sampling step of each sampled
+        request (default: its len(output_ids); overlap scheduling adds the token still in flight)."""
         fb = batch.forward_batch
         fb.attn_backend = self.attn_backend
         reqs = batch.sampled_reqs
@@ -192,17 +188,16 @@ class ModelRunner:
             hidden = self.model(fb)
             prompt_logprobs = self._prompt_logprobs(batch, hidden) if fb.forward_mode is ForwardMode.EXTEND else {}
             if not reqs:
-                return BatchResult(next_token_ids=[], prompt_logprobs=prompt_logprobs)
+                return LaunchedBatch.empty(self.device, prompt_logprobs)
             logits = self.model.compute_logits(hidden[fb.last_token_rows[:len(reqs)]])
         info = SamplingBatchInfo.build(
-            [r.sampling_params for r in reqs], seeds=[r.seed for r in reqs], steps=[len(r.output_ids) for r in reqs],
+            [r.sampling_params for r in reqs], seeds=[r.seed for r in reqs],
+            steps=[len(r.output_ids) for r in reqs] if steps is None else steps,
             output_ids=[r.output_ids for r in reqs], prompt_ids=[r.origin_input_ids for r in reqs],
             vocab_size=self.vocab_size, device=self.device, grammars=[r.grammar for r in reqs])
         out = self.sampler(logits, info)
-        return BatchResult(
-            next_token_ids=out.next_token_ids.tolist(),
-            logprobs=None if out.logprobs is None else out.logprobs.tolist(),
-            top_logprobs=self._top_logprob_lists(reqs, out), prompt_logprobs=prompt_logprobs)
+        return LaunchedBatch.start(out.next_token_ids, out.logprobs, out.top_logprob_ids, out.top_logprob_vals,
+                                   [r.sampling_params.top_logprobs for r in reqs], prompt_logprobs)
 
     def _prompt_logprobs(self, batch, hidden: torch.Tensor) -> Dict[int, List[TokenLogprob]]:
         """For requests owing prompt logprobs: the logprob of each prompt token whose predecessor's
@@ -229,15 +224,6 @@ class ModelRunner:
             result[i] = [TokenLogprob(int(t), lp, list(zip(ti, tv)))
                          for t, lp, ti, tv in zip(targets.tolist(), chosen, top_ids, top_vals)]
         return result
-
-    @staticmethod
-    def _top_logprob_lists(reqs, out) -> Optional[List[List[tuple]]]:
-        if out.top_logprob_ids is None:
-            return None if out.logprobs is None else [[] for _ in reqs]
-        ids, vals = out.top_logprob_ids.tolist(), out.top_logprob_vals.tolist()
-        # Tokens a grammar forbids have logprob -inf: they are no candidates, so they are left out.
-        ks = [r.sampling_params.top_logprobs for r in reqs]
-        return [[(t, v) for t, v in zip(ids[i][:k], vals[i][:k]) if v != float("-inf")] for i, k in enumerate(ks)]
 
 
 def _param_count(cfg) -> int:

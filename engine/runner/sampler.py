@@ -182,11 +182,13 @@ class SamplingBatchInfo:
         sampled = [p for p, g in zip(params, greedy) if not g]
         top_ks = [vocab_size if g or p.top_k == -1 else min(p.top_k, vocab_size) for p, g in zip(params, greedy)]
 
+        # Non-blocking host-to-device copies: a blocking one would wait for the batch still running on the
+        # device (overlap scheduling builds this while the previous batch runs).
         def f32(values) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
+            return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
 
         def i64(values) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
+            return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
         return cls(
             temperatures=f32([1.0 if g else p.temperature for p, g in zip(params, greedy)]).view(bs, 1),
@@ -195,7 +197,7 @@ class SamplingBatchInfo:
             min_ps=f32([0.0 if g else p.min_p for p, g in zip(params, greedy)]),
             seeds=i64([s % _SEED_MOD for s in seeds]),
             steps=i64(steps),
-            greedy_mask=torch.tensor(greedy, dtype=torch.bool, device=device),
+            greedy_mask=torch.tensor(greedy, dtype=torch.bool).to(device, non_blocking=True),
             is_all_greedy=all(greedy),
             has_greedy=any(greedy),
             max_top_k=max((k for k, g in zip(top_ks, greedy) if not g), default=vocab_size),

@@ -10,7 +10,9 @@ anything else); otherwise the running requests decode one token each. When a
 decode step cannot get KV pages, requests are retracted (their computed KV goes
 to the radix cache, they return to the waiting queue and resume later with
 unchanged output). The scheduler is single-threaded: the Engine calls `step()`
-from its loop thread and feeds requests and aborts through its own queue.
+from its loop thread and feeds requests and aborts through its own queue. Unless
+`disable_overlap_schedule`, `step()` is OverlapLoop.step (overlap.py): the same
+stages, with batch N+1 launched before batch N's results are processed.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from engine.request import FinishReason, Req, TokenLogprob
 from engine.scheduler.decode import retract_for_decode
 from engine.scheduler.handoff import HandoffState
 from engine.scheduler.output import OutputProcessor
+from engine.scheduler.overlap import OverlapLoop
 from engine.scheduler.policy import LPM_MAX_QUEUE, InBatchPrefixIndex, order_waiting_queue
 from engine.scheduler.prefill import PrefillAdder
 from engine.scheduler.schedule_batch import ScheduleBatch
@@ -44,6 +47,8 @@ class Scheduler:
                                              retractions=0, finished=0, aborted=0, prefill_steps=0, decode_steps=0)
         self.handoff = HandoffState(kv, self.output, self.counters, config.new_token_ratio)
         """Disaggregation: requests importing or exporting their prompt's KV (never in waiting/running)."""
+        self.overlap = None if config.disable_overlap_schedule else OverlapLoop(self)
+        """Overlap scheduling (overlap.py): launches batch N+1 before processing batch N's results."""
 
     # ---- inputs --------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -70,15 +75,18 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req or self.handoff.importing)
+        return bool(self.waiting or self.running or self.chunked_req or self.handoff.importing
+                    or (self.overlap is not None and self.overlap.inflight is not None))
 
     def _all_reqs(self) -> List[Req]:
         return (self.waiting + self.running + ([self.chunked_req] if self.chunked_req else [])
-                + self.handoff.reqs())
+                + self.handoff.reqs() + (self.overlap.detached() if self.overlap is not None else []))
 
     # ---- the loop ----------------------------------------------------------------------
     def step(self) -> bool:
         """Run one batch. Returns False when there was nothing to do."""
+        if self.overlap is not None:
+            return self.overlap.step()
         self._process_aborts()
         reserved = bool(self.handoff.importing) and self.handoff.reserve_imports(self.running)
         batch = self._get_new_prefill_batch() or self._get_decode_batch()
@@ -158,15 +166,35 @@ class Scheduler:
         return ScheduleBatch(ForwardMode.DECODE, list(self.running))
 
     def _process_batch_result(self, batch: ScheduleBatch, result) -> None:
-        self.counters["prefill_steps" if batch.mode is ForwardMode.EXTEND else "decode_steps"] += 1
-        for i, lps in result.prompt_logprobs.items():
-            batch.reqs[i].prompt_logprobs += lps
+        self._commit_forward(batch)
+        self._process_tokens(batch, result)
+
+    def _commit_forward(self, batch: ScheduleBatch) -> None:
+        """What a launched forward changes, whatever tokens it samples: the computed positions, the
+        chunked request's prefix shared through the cache, and prefilled requests joining the running
+        batch (except exports and those certain to finish with this token). Overlap scheduling calls it
+        at launch, before the tokens are known; one that then finishes leaves in `_process_tokens`."""
         for req in batch.reqs:
             req.kv_len += req.extend_len
             req.extend_len = 0
         if batch.chunked_req is not None:
             self.kv.cache_unfinished(batch.chunked_req)
+        if batch.mode is ForwardMode.EXTEND:
+            for req in batch.sampled_reqs:
+                if req.handoff != "export" and len(req.output_ids) + 1 < req.sampling_params.max_new_tokens:
+                    self.kv.cache_unfinished(req)
+                    self.running.append(req)
+
+    def _process_tokens(self, batch: ScheduleBatch, result) -> None:
+        """Append the sampled tokens, finish, release and stream. A request already finished (overlap:
+        it ended or was aborted while this batch ran) gets nothing: its extra token is dropped."""
+        self.counters["prefill_steps" if batch.mode is ForwardMode.EXTEND else "decode_steps"] += 1
+        live = [r for r in batch.reqs if not r.finished]
+        for i, lps in result.prompt_logprobs.items():
+            batch.reqs[i].prompt_logprobs += lps
         for i, req in enumerate(batch.sampled_reqs):
+            if req.finished:
+                continue
             if req.handoff == "export":
                 self._export(req, result, i)
                 continue
@@ -177,10 +205,9 @@ class Scheduler:
                 self.counters["finished"] += 1
                 if req in self.running:
                     self.running.remove(req)
-            elif batch.mode is ForwardMode.EXTEND:
-                self.kv.cache_unfinished(req)
-                self.running.append(req)
-        self.output.flush(batch.reqs)
+                elif req in self.waiting:  # overlap: retracted while its token was in flight
+                    self.waiting.remove(req)
+        self.output.flush(live)
 
     def _export(self, req: Req, result, row: int) -> None:
         """Prefill side: hand the computed prompt over instead of decoding it here."""
