@@ -93,6 +93,16 @@ def handoff_breakdown(before: Dict[str, float], after: Dict[str, float]) -> Dict
     return out
 
 
+def warm_up(base_url: str, model: str, n: int) -> None:
+    """`n` short completions, one after the other, before anything is measured: first-use costs (GPU
+    kernels compiled just in time, lazy initialisation) stay out of the percentiles. Their cache
+    entries are a few tokens of a prompt no workload uses."""
+    for i in range(n):
+        r = httpx.post(f"{base_url}/v1/completions", timeout=600,
+                       json={"model": model, "prompt": f"warm-up request {i}: count to ten.", "max_tokens": 4})
+        r.raise_for_status()
+
+
 def run_variant(variant: Dict[str, Any], args, load_args: List[str]) -> Dict[str, Any]:
     """Start the cluster of `variant`, run every dataset, stop it. Returns {dataset: summary}."""
     from ray import serve
@@ -112,6 +122,7 @@ def run_variant(variant: Dict[str, Any], args, load_args: List[str]) -> Dict[str
     out: Dict[str, Any] = {"startup_s": startup_s}
     try:
         served = httpx.get(f"{args.base_url}/v1/models", timeout=30).json()["data"][0]["id"]
+        warm_up(args.base_url, served, args.warmup_requests)
         for label, workload_args in args.workloads:
             # The served model's name first: --model in the load options wins.
             wl = bs.build_parser().parse_args(["--model", served] + load_args + workload_args
@@ -163,6 +174,8 @@ def main() -> None:
                    choices=["random", "shared-prefix", "multi-turn"])
     p.add_argument("--workload", nargs=2, action="append", metavar=("LABEL", "ARGS"), default=None,
                    help="A named workload: bench_serving options in one string (repeatable; replaces --datasets).")
+    p.add_argument("--warmup-requests", type=int, default=2,
+                   help="Short requests sent to each variant before its workloads (not measured).")
     p.add_argument("--workers", type=int, default=2, help="Unified pool size (variants may override).")
     p.add_argument("--num-cpus", type=float, default=0.5, help="Ray CPUs per worker replica.")
     p.add_argument("--ray-cpus", type=int, default=os.cpu_count(), help="CPUs of the local Ray cluster.")

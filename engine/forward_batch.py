@@ -16,6 +16,8 @@ from typing import List, Optional
 
 import torch
 
+from engine.device_copy import to_device
+
 
 class ForwardMode(enum.Enum):
     EXTEND = "extend"
@@ -77,7 +79,7 @@ class ForwardBatch:
         if loc_on_host:
             host = torch.cat([host, out_cache_loc.reshape(-1).to(torch.int64)])
             sizes.append(out_cache_loc.numel())
-        fields = host.to(device, non_blocking=True).split(sizes)
+        fields = to_device(host, device).split(sizes)
         loc = fields[7] if loc_on_host else out_cache_loc.to(device=device, dtype=torch.int64)
         return cls(
             forward_mode=mode, batch_size=len(seq_lens),

@@ -210,3 +210,29 @@ def test_gpu_overlap_schedule_does_not_change_outputs(dtype):
                   dict(temperature=0.9, top_k=40, seed=11, max_new_tokens=17)]
     on, off = _overlap_run(True, dtype, params), _overlap_run(False, dtype, params)
     assert on == off, f"first divergence per prompt: {_first_divergence([o[0] for o in on], [o[0] for o in off])}"
+
+
+def test_gpu_planning_copies_do_not_synchronize():
+    """Building a step's device inputs (ForwardBatch.build, ReqToTokenPool.write, to_device) never waits for
+    the device: overlap scheduling plans batch N+1 while batch N runs. CUDA's sync debug mode raises on any
+    synchronizing call."""
+    from engine.device_copy import to_device
+    from engine.forward_batch import ForwardBatch, ForwardMode
+    from engine.memory.req_to_token import ReqToTokenPool
+
+    device = torch.device("cuda")
+    pool = ReqToTokenPool(size=4, max_context_len=64, device=device)
+    busy = torch.randn(4096, 4096, device=device)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(20):  # keep the device busy while the host plans
+            busy = busy @ busy / 64
+        pool.write(1, 0, torch.arange(5, 10))
+        fb = ForwardBatch.build(ForwardMode.DECODE, [3, 4], [5, 6], torch.tensor([11, 12]), [1, 2], [6, 7], [5, 6],
+                                device)
+        x = to_device(torch.tensor([1.5, 2.5]), device)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert fb.input_ids.tolist() == [3, 4] and fb.out_cache_loc.tolist() == [11, 12] and x.tolist() == [1.5, 2.5]
+    assert pool.read(1, 5).tolist() == [5, 6, 7, 8, 9]

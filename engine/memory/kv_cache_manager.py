@@ -16,6 +16,8 @@ from typing import List, Optional
 
 import torch
 
+from engine.device_copy import to_device
+
 from engine.memory.allocator import TokenToKVPoolAllocator
 from engine.memory.radix_cache import RadixCache
 from engine.memory.req_to_token import ReqToTokenPool
@@ -74,16 +76,24 @@ class KVCacheManager:
         req.kv_len = req.prefix_len
 
     def last_loc(self, req: Req) -> int:
-        """Slot of position kv_len - 1 (-1 when the request has no KV)."""
+        """Slot of position kv_len - 1 (-1 when the request has no KV). Reads the device table (a sync)."""
         if req.kv_len == 0:
             return -1
         return int(self.req_to_token_pool.req_to_token[req.req_pool_idx, req.kv_len - 1])
+
+    def _last_locs(self, reqs: List[Req]) -> List[int]:
+        """last_loc of each request where the allocator needs it: only pages of more than one token
+        continue a partly filled page (with page_size 1 every position starts a page, so the device
+        table is not read and planning a step never waits for the device)."""
+        if self.page_size == 1:
+            return [-1] * len(reqs)
+        return [self.last_loc(r) for r in reqs]
 
     def alloc_extend(self, reqs: List[Req]) -> Optional[torch.Tensor]:
         """Slots for each request's next `extend_len` positions, recorded in its row."""
         prefix = [r.kv_len for r in reqs]
         seq = [r.kv_len + r.extend_len for r in reqs]
-        out = self.allocator.alloc_extend(prefix, seq, [self.last_loc(r) for r in reqs])
+        out = self.allocator.alloc_extend(prefix, seq, self._last_locs(reqs))
         if out is None:
             return None
         start = 0
@@ -95,13 +105,14 @@ class KVCacheManager:
     def alloc_decode(self, reqs: List[Req]) -> Optional[torch.Tensor]:
         """One slot per request for position kv_len, recorded in its row."""
         seq_lens = torch.tensor([r.kv_len + 1 for r in reqs], dtype=torch.int64)
-        last = torch.tensor([self.last_loc(r) for r in reqs], dtype=torch.int64)
+        last = torch.tensor(self._last_locs(reqs), dtype=torch.int64)
         out = self.allocator.alloc_decode(seq_lens, last)
         if out is None:
             return None
         rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
         table = self.req_to_token_pool.req_to_token
-        table[rows.to(table.device), (seq_lens - 1).to(table.device)] = out.to(table.device, torch.int32)
+        rows_cols_slots = to_device(torch.stack([rows, seq_lens - 1, out]), table.device)  # one copy
+        table[rows_cols_slots[0], rows_cols_slots[1]] = rows_cols_slots[2].to(torch.int32)
         return out
 
     # ---- caching and release ----------------------------------------------------

@@ -10,6 +10,8 @@ from typing import List
 
 import torch
 
+from engine.device_copy import to_device
+
 
 class ReqToTokenPool:
     def __init__(self, size: int, max_context_len: int, device: torch.device):
@@ -33,7 +35,9 @@ class ReqToTokenPool:
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         """Record that positions [start, start + len(slots)) of `row` live at `slots`."""
-        self.req_to_token[row, start:start + slots.numel()] = slots.to(self.req_to_token.device, torch.int32)
+        if slots.device.type == "cpu":
+            slots = to_device(slots, self.req_to_token.device, torch.int32)
+        self.req_to_token[row, start:start + slots.numel()] = slots.to(torch.int32)
 
     def read(self, row: int, length: int) -> torch.Tensor:
         """(length,) int64 — slots of positions [0, length) of `row`."""
