@@ -88,7 +88,7 @@ def handoff_breakdown(before: Dict[str, float], after: Dict[str, float]) -> Dict
     if not n:
         return {}
     out = {k[len("handoff_"):-2] + "_ms": (after[k] - before[k]) / n * 1e3 for k in after if k.endswith("_s")}
-    out["overhead_ms"] = out["call_ms"] - out["prefill_compute_ms"] + out["expect_ms"]  # reserve overlaps the call
+    out["overhead_ms"] = out["reserve_ms"] + out["call_ms"] - out["prefill_compute_ms"] + out["expect_ms"]
     out["requests"] = n
     return out
 

@@ -24,9 +24,9 @@ Data flow (unified mode) and who owns each stage:
     behind the admin key ─▶ RouterDeployment.admin_* ─▶ PoolScaler
 
 Disaggregated mode (disaggregated.py): the ingress asks Router.route_pair for a prefill and a
-decode replica and streams from the decode replica, which starts the prefill replica (pinned) on
-the prompt at once, reserves KV pages meanwhile and names them to it; the prefill replica writes
-the prompt's KV into them through kv_transfer/ (NIXL or NCCL), then the decode replica decodes. Failures before the first token are retried on a new pair.
+decode replica and streams from the decode replica, which reserves KV pages, calls the prefill
+replica (pinned) to compute the prompt and write its KV pages into them through kv_transfer/
+(NIXL or NCCL), then decodes. Failures before the first token are retried on a new pair.
 
 Token streams go worker → ingress, never through the router. Aborts: a client disconnect
 closes the backend stream, which cancels the Ray generator; Serve cancels the worker's

@@ -5,18 +5,14 @@ One request (DESIGN §1):
     Ingress (DisaggregatedBackend)
       1. Router.route_pair(input_ids) ─▶ PairDecision(prefill replica, decode replica)
       2. DecodeWorker.generate_disaggregated(input_ids, params, rid, prefill_id), streamed, pinned:
-           PrefillWorker.prefill(input_ids, params + seed, rid, transfer id), pinned, at once:
-               engine computes the prompt (own radix cache), samples the first token, holds the KV,
-               and meanwhile ...
            engine reserves destination pages (after matching its own radix cache) ─▶ KVReservation
            expect(prefill peer, dst pages, transfer id)                       (cluster.kv_transfer)
-           PrefillWorker.prefill_target(transfer id, TransferTarget) ─▶ ... the prefill call, which
-               writes src pages of [prefix_len, prompt_len) ─▶ dst pages; waits; releases the hold
-               ◀── PrefillResult (PrefillHandoff: first token, logprobs; timings)
+           PrefillWorker.prefill(input_ids, params + seed, rid, TransferTarget), pinned:
+               engine computes the prompt (own radix cache), samples the first token, holds the KV
+               write(src pages of [prefix_len, prompt_len) ─▶ dst pages); wait; release the hold
+               ◀── PrefillHandoff (first token, logprobs)
            wait for the transfer's arrival; the engine appends the first token and decodes
          ◀── coalesced StreamOutputs
-   The reservation and the target's delivery overlap the prompt's computation: only the transfer and
-   the prefill call's return stay on the time to first token.
       3. Router.finish for both replicas
 
 Failures: every wait is bounded (kv_transfer_timeout_s, the prefill call's own bound). Whatever
@@ -29,11 +25,10 @@ reported to the router first so that the new pair avoids them. Later failures re
 import asyncio
 import dataclasses
 import logging
-import secrets
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
+from typing import Any, AsyncIterator, Dict, List, Optional
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
 
@@ -71,11 +66,14 @@ class WrongReplicaError(RuntimeError):
 @dataclass(frozen=True)
 class TransferTarget:
     """Decode side → prefill side: where and how to write the prompt's KV."""
+    replica_id: str
+    """The prefill replica the decode side expects to write (refused by any other)."""
     peer: PeerInfo
     """The decode replica's transfer endpoint."""
     prefix_len: int
     """Positions [0, prefix_len) are cached on the decode side; [prefix_len, prompt_len) are written."""
     dst_pages: List[int]
+    transfer_id: str
 
 
 @dataclass(frozen=True)
@@ -92,10 +90,8 @@ class PrefillResult:
 HANDOFF_COUNTERS = ("handoff_requests", "handoff_reserve_s", "handoff_call_s", "handoff_prefill_compute_s",
                     "handoff_prefill_transfer_s", "handoff_expect_s")
 """Decode replicas' handoff counters (sums over successful handoffs, in the stats they report): request
-arrival → pages reserved (overlaps the prefill call); the prefill call, from its start at arrival to its
-result (compute, waiting for the target, transfer, call overheads); the prefill engine's compute; the
-transfer; the wait for the notification after the call returned. The handoff's addition to a unified
-time to first token ≈ call − compute + expect."""
+arrival → pages reserved; the prefill call (compute + transfer + call overheads); the wait for the
+notification after the call returned. Overhead over a unified TTFT ≈ reserve + call − compute + expect."""
 
 
 async def _awaited(call) -> Any:
@@ -128,50 +124,26 @@ class PrefillWorker(_KVEndpoint, Worker):
                        transfer_timeout_s: float):
         Worker.__init__(self, model, engine_options)
         self._init_transfer("prefill", kv_transfer, transfer_timeout_s)
-        self._targets: Dict[str, Tuple[asyncio.Future, float]] = {}
-        """transfer id → (future of its TransferTarget, creation time): filled by prefill_target."""
 
-    def _target(self, transfer_id: str) -> asyncio.Future:
-        """The future of `transfer_id`'s target, created by whichever of prefill / prefill_target comes
-        first. Entries nobody collects (the prefill was cancelled first) are dropped after a while."""
-        now = time.monotonic()
-        stale = [t for t, (_, born) in self._targets.items() if now - born > 2 * PREFILL_CALL_TIMEOUT_S]
-        for t in stale:
-            del self._targets[t]
-        if transfer_id not in self._targets:
-            self._targets[transfer_id] = (asyncio.get_running_loop().create_future(), now)
-        return self._targets[transfer_id][0]
-
-    async def prefill(self, input_ids: List[int], params: Any, rid: str, replica_id: str,
-                      transfer_id: str) -> PrefillResult:
-        """Compute the prompt; once prefill_target(transfer_id) named the destination, write the KV of
-        [target.prefix_len, prompt_len) into target.dst_pages; return the engine's PrefillHandoff (first
-        token and logprobs) with timings. The hold on this replica's pages is released whatever happens."""
-        if replica_id != self.replica_id:
-            raise WrongReplicaError(f"prefill for {rid} was meant for replica {replica_id}, reached {self.replica_id}")
+    async def prefill(self, input_ids: List[int], params: Any, rid: str, target: TransferTarget) -> Any:
+        """Compute the prompt, write the KV of [target.prefix_len, prompt_len) into target.dst_pages,
+        and return the engine's PrefillHandoff (first token and logprobs). The hold on this replica's
+        pages is released whatever happens."""
+        if target.replica_id != self.replica_id:
+            raise WrongReplicaError(f"prefill for {rid} was meant for replica {target.replica_id}, "
+                                    f"reached {self.replica_id}")
         self._served.append(rid)
-        target_future = self._target(transfer_id)
+        self.transfer.connect(target.peer)
+        start = time.perf_counter()
+        handoff = await self.engine.prefill_for_handoff(input_ids, params, rid=rid)
+        computed = time.perf_counter()
         try:
-            start = time.perf_counter()
-            handoff = await self.engine.prefill_for_handoff(input_ids, params, rid=rid)
-            computed = time.perf_counter()
-            try:
-                target = await asyncio.wait_for(asyncio.shield(target_future), self.transfer_timeout_s)
-                self.transfer.connect(target.peer)
-                src = handoff.pages_from(target.prefix_len)
-                handle = self.transfer.write(target.peer.name, src, target.dst_pages, transfer_id)
-                await self.transfer.wait(handle, self.transfer_timeout_s)
-            finally:
-                self.engine.release_handoff(rid)
+            src = handoff.pages_from(target.prefix_len)
+            handle = self.transfer.write(target.peer.name, src, target.dst_pages, target.transfer_id)
+            await self.transfer.wait(handle, self.transfer_timeout_s)
         finally:
-            self._targets.pop(transfer_id, None)
+            self.engine.release_handoff(rid)
         return PrefillResult(handoff, computed - start, time.perf_counter() - computed)
-
-    async def prefill_target(self, transfer_id: str, target: TransferTarget) -> None:
-        """The destination of a running (or about to run) prefill call: see prefill."""
-        future = self._target(transfer_id)
-        if not future.done():
-            future.set_result(target)
 
 
 class DecodeWorker(_KVEndpoint, Worker):
@@ -198,41 +170,28 @@ class DecodeWorker(_KVEndpoint, Worker):
         """Stream the request like Worker.generate, its prompt computed by prefill replica `prefill_id`."""
 
         arrived = time.perf_counter()
+
+        async def remote_prefill(reservation):
+            self._handoff["handoff_reserve_s"] += time.perf_counter() - arrived
+            return await self._remote_prefill(input_ids, params, rid, prefill_id, reservation)
+
+        async for batch in self._stream(input_ids, params, rid, remote_prefill=remote_prefill):
+            yield batch
+
+    async def _remote_prefill(self, input_ids, params, rid: str, prefill_id: str, reservation) -> Any:
         try:
             peer = await self._prefill_peer(prefill_id)
         except Exception as exc:  # noqa: BLE001 - becomes a retryable error
             raise PrefillFailedError(f"prefill replica {prefill_id} unreachable: {_unwrap(exc)!r}", prefill_id,
                                      _is_dead(_unwrap(exc))) from None
-        if params.seed is None:  # both sides must sample with the same seed: choose it here, before either starts
-            params = dataclasses.replace(params, seed=secrets.randbits(62))
-        # The prefill starts now and computes while this engine reserves the destination pages.
         transfer_id = f"{rid}/{uuid.uuid4().hex[:8]}"
+        handle = self.transfer.expect(peer.name, reservation.dst_pages, transfer_id)
+        target = TransferTarget(prefill_id, self.transfer.info(), reservation.prefix_len,
+                                list(reservation.dst_pages), transfer_id)
         call = self.prefill_pool.options(session_id=prefill_id).prefill.remote(
-            input_ids, params, rid, prefill_id, transfer_id)
+            input_ids, dataclasses.replace(params, seed=reservation.seed), rid, target)
         result = asyncio.ensure_future(_awaited(call))
         called = time.perf_counter()
-
-        async def remote_prefill(reservation):
-            self._handoff["handoff_reserve_s"] += time.perf_counter() - arrived
-            return await self._finish_prefill(peer, prefill_id, transfer_id, reservation, call, result, called)
-
-        try:
-            async for batch in self._stream(input_ids, params, rid, remote_prefill=remote_prefill):
-                yield batch
-        finally:
-            if not result.done():  # the stream ended before the prefill call did (abort, error)
-                call.cancel()
-                await self._settle(result)
-
-    async def _finish_prefill(self, peer: PeerInfo, prefill_id: str, transfer_id: str, reservation, call,
-                              result: "asyncio.Future", called: float) -> Any:
-        """Name the reserved pages to the running prefill call, await its result and the data's arrival."""
-        handle = self.transfer.expect(peer.name, reservation.dst_pages, transfer_id)
-        target = TransferTarget(self.transfer.info(), reservation.prefix_len, list(reservation.dst_pages))
-        sent = asyncio.ensure_future(_awaited(self.prefill_pool.options(session_id=prefill_id).prefill_target.remote(
-            transfer_id, target)))
-        # Not awaited: its failure shows as the prefill call's (which then misses its target and fails).
-        sent.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
             prefilled = await asyncio.wait_for(asyncio.shield(result), PREFILL_CALL_TIMEOUT_S)
             returned = time.perf_counter()
