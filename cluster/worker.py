@@ -98,10 +98,10 @@ class Worker:
                     await task
 
     async def report(self) -> WorkerReport:
-        stats = await asyncio.to_thread(self.engine.stats)
+        stats = await self.stats()
         events = await asyncio.to_thread(self.engine.drain_cache_events)
         return WorkerReport(self.replica_id, int(stats.get("waiting", 0)), int(stats.get("running", 0)),
-                            float(stats.get("kv_usage", 0.0)), events, {**stats, **self._extra_stats()}, time.time())
+                            float(stats.get("kv_usage", 0.0)), events, stats, time.time())
 
     async def stats(self) -> Dict[str, float]:
         return {**await asyncio.to_thread(self.engine.stats), **self._extra_stats()}

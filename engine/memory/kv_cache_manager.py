@@ -17,7 +17,6 @@ from typing import List, Optional
 import torch
 
 from engine.device_copy import to_device
-
 from engine.memory.allocator import TokenToKVPoolAllocator
 from engine.memory.radix_cache import RadixCache
 from engine.memory.req_to_token import ReqToTokenPool

@@ -10,8 +10,9 @@ whose slot stride is num_layers * 2 * num_kv_heads * head_dim elements (the last
 every attention backend indexes them by slot exactly as it would index per-layer tensors.
 
 Why token-major: a run of consecutive slots is ONE contiguous byte range across all layers, so a KV handoff
-(cluster/kv_transfer) moves it as one region instead of 2 × num_layers regions; a transfer's cost is per
-region (measured on 2× H200: 256 regions for 64 MiB ran at 14% of the copy bandwidth, one region at ≈ 90%).
+(cluster/kv_transfer) moves it as one region instead of 2 × num_layers regions (measured on 2× H200, 64 MiB:
+per-layer buffers in runs of 8 pages, 256 regions, ran at 14% of the GPU0→GPU1 copy; this layout at 38–53%,
+where NIXL and NCCL both stop for a reason not yet found — benchmarks/results/kv_transfer_*H200x2*.json).
 
 Slots [0, page_size) (page 0) are never handed out: they absorb writes of padded tokens (CUDA-graph padding)
 so real pages stay intact.
