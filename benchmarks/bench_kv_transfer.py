@@ -88,7 +88,11 @@ class Side:
                 self.backend.release(h)
 
     def write_timed(self, peer: str, src: List[int], dst: List[int], tids: List[str], timeout_s: float) -> List[float]:
-        """Seconds from write() to DONE for each transfer id, one after the other."""
+        """Seconds from write() to DONE for each transfer id, one after the other. The page ids become
+        int64 arrays first, as a replica holds them (engine.scheduler.handoff)."""
+        import numpy as np
+
+        src, dst = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
         times = []
         for tid in tids:
             t0 = time.perf_counter()
@@ -100,6 +104,9 @@ class Side:
         """Expect every transfer id and await them as a replica would (asyncio, backing-off polls)."""
         import asyncio
 
+        import numpy as np
+
+        dst = np.asarray(dst, dtype=np.int64)
         handles = [self.backend.expect(peer, dst, tid) for tid in tids]
 
         async def wait_all():

@@ -30,6 +30,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Dict, List, Optional
 
+import numpy as np
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
 
 from cluster.ingress import ClusterBackend, _unwrap
@@ -72,7 +73,8 @@ class TransferTarget:
     """The decode replica's transfer endpoint."""
     prefix_len: int
     """Positions [0, prefix_len) are cached on the decode side; [prefix_len, prompt_len) are written."""
-    dst_pages: List[int]
+    dst_pages: np.ndarray
+    """(pages,) int64 decode-pool page ids of positions [prefix_len, prompt_len)."""
     transfer_id: str
 
 
@@ -85,13 +87,19 @@ class PrefillResult:
     """Queueing and computing the prompt in the prefill engine."""
     transfer_s: float
     """Writing the KV into the decode replica's pages, until the writer's handle is done."""
+    entered_at: float
+    left_at: float
+    """Wall clock (time.time()) when the call started and ended on the prefill replica: with the decode
+    side's own clock they split the call's transport time into out and back (exact on one host, to NTP
+    accuracy across hosts)."""
 
 
 HANDOFF_COUNTERS = ("handoff_requests", "handoff_reserve_s", "handoff_call_s", "handoff_prefill_compute_s",
-                    "handoff_prefill_transfer_s", "handoff_expect_s")
+                    "handoff_prefill_transfer_s", "handoff_call_out_s", "handoff_call_back_s", "handoff_expect_s")
 """Decode replicas' handoff counters (sums over successful handoffs, in the stats they report): request
-arrival → pages reserved; the prefill call (compute + transfer + call overheads); the wait for the
-notification after the call returned. Overhead over a unified TTFT ≈ reserve + call − compute + expect."""
+arrival → pages reserved; the prefill call (compute + transfer + call overheads), and of it the transport
+out (call made → running on the prefill replica) and back (returned there → result here); the wait for
+the notification after the call returned. Overhead over a unified TTFT ≈ reserve + call − compute + expect."""
 
 
 async def _awaited(call) -> Any:
@@ -132,6 +140,7 @@ class PrefillWorker(_KVEndpoint, Worker):
         if target.replica_id != self.replica_id:
             raise WrongReplicaError(f"prefill for {rid} was meant for replica {target.replica_id}, "
                                     f"reached {self.replica_id}")
+        entered_at = time.time()
         self._served.append(rid)
         self.transfer.connect(target.peer)
         start = time.perf_counter()
@@ -143,7 +152,7 @@ class PrefillWorker(_KVEndpoint, Worker):
             await self.transfer.wait(handle, self.transfer_timeout_s)
         finally:
             self.engine.release_handoff(rid)
-        return PrefillResult(handoff, computed - start, time.perf_counter() - computed)
+        return PrefillResult(handoff, computed - start, time.perf_counter() - computed, entered_at, time.time())
 
 
 class DecodeWorker(_KVEndpoint, Worker):
@@ -187,14 +196,14 @@ class DecodeWorker(_KVEndpoint, Worker):
         transfer_id = f"{rid}/{uuid.uuid4().hex[:8]}"
         handle = self.transfer.expect(peer.name, reservation.dst_pages, transfer_id)
         target = TransferTarget(prefill_id, self.transfer.info(), reservation.prefix_len,
-                                list(reservation.dst_pages), transfer_id)
+                                reservation.dst_pages, transfer_id)
         call = self.prefill_pool.options(session_id=prefill_id).prefill.remote(
             input_ids, dataclasses.replace(params, seed=reservation.seed), rid, target)
         result = asyncio.ensure_future(_awaited(call))
-        called = time.perf_counter()
+        called, called_at = time.perf_counter(), time.time()
         try:
             prefilled = await asyncio.wait_for(asyncio.shield(result), PREFILL_CALL_TIMEOUT_S)
-            returned = time.perf_counter()
+            returned, returned_at = time.perf_counter(), time.time()
             await self.transfer.wait(handle, self.transfer_timeout_s)  # the bytes have landed here
         except BaseException as exc:
             if not result.done():
@@ -213,6 +222,8 @@ class DecodeWorker(_KVEndpoint, Worker):
                                      _is_dead(cause)) from None
         for key, seconds in (("handoff_call_s", returned - called), ("handoff_prefill_compute_s", prefilled.compute_s),
                              ("handoff_prefill_transfer_s", prefilled.transfer_s),
+                             ("handoff_call_out_s", prefilled.entered_at - called_at),
+                             ("handoff_call_back_s", returned_at - prefilled.left_at),
                              ("handoff_expect_s", time.perf_counter() - returned)):
             self._handoff[key] += seconds
         self._handoff["handoff_requests"] += 1

@@ -1,8 +1,9 @@
 """The KV transfer contract: layout, peer description, handles, errors, and the backend ABC.
 
-A replica's KV memory is `num_buffers` (= 2 × num_layers: every layer's K then V buffer)
-contiguous tensors of identical shape (num_slots, num_kv_heads, head_dim). Page p is slots
-[p*page_size, (p+1)*page_size), i.e. bytes [p*page_bytes, (p+1)*page_bytes) of EVERY buffer.
+A replica's KV memory is `num_buffers` contiguous tensors of identical shape (num_slots, ...): for the
+engine's token-major KVPool it is ONE buffer, (num_slots, values per token) — every layer's K and V of a
+slot side by side (`kv_pool_buffers`). Page p is slots [p*page_size, (p+1)*page_size), i.e. bytes
+[p*page_bytes, (p+1)*page_bytes) of EVERY buffer.
 Page 0 is reserved by the engine (padding sink) and is never transferred.
 
 A handoff moves src pages of the writer (prefill) into dst pages of the receiver (decode),
@@ -51,7 +52,7 @@ class KVLayout:
     """
 
     num_buffers: int
-    """Number of registered buffers (2 × num_layers for a KVPool: K0..K{L-1}, V0..V{L-1})."""
+    """Number of registered buffers (1 for the engine's token-major KVPool)."""
     num_pages: int
     """Pages per buffer (page 0 included, never transferred)."""
     page_size: int
@@ -284,7 +285,7 @@ class KVTransferBackend(abc.ABC):
 
     async def wait(self, handle: TransferHandle, timeout_s: float) -> None:
         """Poll `handle` until DONE without blocking the event loop; ALWAYS releases it (also when
-        the awaiting task is cancelled). Polls back off from 0 to 1 ms between tries.
+        the awaiting task is cancelled). Polls back off from 0 to 0.2 ms between tries.
 
         Raises KVTransferError if it FAILED, KVTransferTimeout if not done within `timeout_s`.
         """
@@ -302,7 +303,9 @@ class KVTransferBackend(abc.ABC):
                     raise KVTransferTimeout(f"transfer {handle.transfer_id!r} ({handle.role}, peer "
                                             f"{handle.peer!r}) not done after {timeout_s:.3g} s")
                 await asyncio.sleep(delay)
-                delay = min(max(2 * delay, 5e-5), 1e-3)
+                # A handoff's transfer takes 0.1-10 ms: a late poll adds straight to the request's TTFT,
+                # so the back-off stops at 0.2 ms (a poll costs ~10 us of this event loop).
+                delay = min(max(2 * delay, 5e-5), 2e-4)
         finally:
             self.release(handle)
 

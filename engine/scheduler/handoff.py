@@ -25,6 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
+import numpy as np
+import torch
+
 from engine.memory.kv_cache_manager import KVCacheManager
 from engine.request import Req, ReqOutput, TokenLogprob
 from engine.scheduler.output import OutputProcessor
@@ -38,8 +41,8 @@ class KVReservation:
     prompt_len: int
     prefix_len: int
     """Positions [0, prefix_len) are already cached on the decode replica (a multiple of page_size)."""
-    dst_pages: List[int]
-    """Decode-pool page ids of positions [prefix_len, prompt_len), in position order."""
+    dst_pages: np.ndarray
+    """(pages,) int64: decode-pool page ids of positions [prefix_len, prompt_len), in position order."""
     page_size: int
     seed: int
     """The request's sampling seed: the prefill replica samples the first token with it."""
@@ -50,8 +53,8 @@ class PrefillHandoff:
     """Prefill side → decode side: the computed prompt, while its pages are held."""
     rid: str
     prompt_len: int
-    src_pages: List[int]
-    """Prefill-pool page ids of positions [0, prompt_len), in position order."""
+    src_pages: np.ndarray
+    """(pages,) int64: prefill-pool page ids of positions [0, prompt_len), in position order."""
     page_size: int
     first_token: int
     first_logprob: Optional[TokenLogprob]
@@ -61,16 +64,15 @@ class PrefillHandoff:
     cached_tokens: int
     """Prompt tokens the prefill replica reused from its radix cache."""
 
-    def pages_from(self, prefix_len: int) -> List[int]:
+    def pages_from(self, prefix_len: int) -> np.ndarray:
         """Source pages of positions [prefix_len, prompt_len) (prefix_len a multiple of page_size)."""
         return self.src_pages[prefix_len // self.page_size:]
 
 
-def _page_ids(kv: KVCacheManager, req: Req, start: int, end: int) -> List[int]:
-    """Page ids holding positions [start, end) of req (start a multiple of the page size)."""
-    ps = kv.page_size
-    slots = kv.req_to_token_pool.read(req.req_pool_idx, end)[start::ps]
-    return (slots // ps).tolist()
+def _page_ids(slots: torch.Tensor, page_size: int) -> np.ndarray:
+    """(pages,) int64 page ids of `slots` (consecutive positions, the first one page-aligned): numpy, the
+    form the transfer layer takes and Ray pickles compactly."""
+    return (slots[::page_size] // page_size).cpu().numpy().astype(np.int64, copy=False)
 
 
 class HandoffState:
@@ -111,14 +113,17 @@ class HandoffState:
                 break
             kv.admit(req)
             req.extend_len = prompt_len - req.prefix_len
-            if not kv.ensure_free(kv.pages_for(req, req.extend_len) * kv.page_size) or kv.alloc_extend([req]) is None:
+            slots = None
+            if kv.ensure_free(kv.pages_for(req, req.extend_len) * kv.page_size):
+                slots = kv.alloc_extend([req])  # host tensor: the reservation needs no device read-back
+            if slots is None:
                 kv.release(req, cache=False)
                 break
             req.kv_len, req.extend_len = prompt_len, 0
             self.importing.pop(0)
             self.awaiting[req.rid] = req
             reservation = KVReservation(req.rid, prompt_len, req.prefix_len,
-                                        _page_ids(kv, req, req.prefix_len, prompt_len), kv.page_size, req.seed)
+                                        _page_ids(slots, kv.page_size), kv.page_size, req.seed)
             req.on_output(_handoff_output(req, reservation))
             did = True
         return did
@@ -153,7 +158,8 @@ class HandoffState:
         self.kv.cache_unfinished(req)  # share the prompt with later requests while the transfer runs
         self.held[req.rid] = req
         handoff = PrefillHandoff(
-            req.rid, prompt_len, _page_ids(self.kv, req, 0, prompt_len), self.kv.page_size, token,
+            req.rid, prompt_len, _page_ids(self.kv.req_to_token_pool.read(req.req_pool_idx, prompt_len), self.kv.page_size),
+            self.kv.page_size, token,
             logprob if req.sampling_params.logprobs else None,
             list(req.prompt_logprobs) if req.sampling_params.prompt_logprobs is not None else None,
             req.cached_tokens)
