@@ -74,12 +74,24 @@ def variant_name(variant: Dict[str, Any]) -> str:
     return ",".join(f"{k}={v}" for k, v in variant.items()) or "default"
 
 
+FIRST_OUTPUT_COUNTERS = ("first_output_s", "first_output_requests")
+"""cluster.worker.Worker's counters of the time from a streamed call's start to its first message."""
+
+
 def handoff_counters(base_url: str) -> Dict[str, float]:
-    """The decode replicas' handoff counters (cluster.disaggregated.HANDOFF_COUNTERS), summed; {} in unified mode."""
+    """The replicas' handoff counters (cluster.disaggregated.HANDOFF_COUNTERS, zero in unified mode) and
+    first-output counters, summed over replicas."""
     from cluster.disaggregated import HANDOFF_COUNTERS
 
     workers = httpx.get(f"{base_url}/router/stats", timeout=30).json()["workers"].values()
-    return {k: sum(w["engine"].get(k, 0.0) for w in workers) for k in HANDOFF_COUNTERS}
+    return {k: sum(w["engine"].get(k, 0.0) for w in workers) for k in HANDOFF_COUNTERS + FIRST_OUTPUT_COUNTERS}
+
+
+def worker_first_output_ms(before: Dict[str, float], after: Dict[str, float]) -> float | None:
+    """Mean ms from a worker call's start to its first streamed message over one workload (None if none):
+    the client's TTFT minus this is the ingress, router and Serve transport."""
+    n = after.get("first_output_requests", 0) - before.get("first_output_requests", 0)
+    return (after["first_output_s"] - before["first_output_s"]) / n * 1e3 if n else None
 
 
 def handoff_breakdown(before: Dict[str, float], after: Dict[str, float]) -> Dict[str, float]:
@@ -87,7 +99,8 @@ def handoff_breakdown(before: Dict[str, float], after: Dict[str, float]) -> Dict
     n = after.get("handoff_requests", 0) - before.get("handoff_requests", 0)
     if not n:
         return {}
-    out = {k[len("handoff_"):-2] + "_ms": (after[k] - before[k]) / n * 1e3 for k in after if k.endswith("_s")}
+    out = {k[len("handoff_"):-2] + "_ms": (after[k] - before[k]) / n * 1e3 for k in after
+           if k.startswith("handoff_") and k.endswith("_s")}
     out["overhead_ms"] = out["reserve_ms"] + out["call_ms"] - out["prefill_compute_ms"] + out["expect_ms"]
     out["requests"] = n
     return out
@@ -134,7 +147,9 @@ def run_variant(variant: Dict[str, Any], args, load_args: List[str]) -> Dict[str
             time.sleep(4 * common["report_interval_s"])  # the router's view of the workers' counters catches up
             after = bs.server_cache_counters(wl.base_url, None)
             out[label] = bs.summarize(results, duration, before, after)
-            out[label]["handoff_ms"] = handoff_breakdown(handoff_before, handoff_counters(wl.base_url))
+            handoff_after = handoff_counters(wl.base_url)
+            out[label]["handoff_ms"] = handoff_breakdown(handoff_before, handoff_after)
+            out[label]["worker_first_output_ms"] = worker_first_output_ms(handoff_before, handoff_after)
             if out[label]["handoff_ms"]:
                 print(f"  {name} / {label}: handoff per request (ms) "
                       + ", ".join(f"{k[:-3]} {v:.2f}" for k, v in out[label]["handoff_ms"].items() if k != "requests"),
@@ -142,8 +157,9 @@ def run_variant(variant: Dict[str, Any], args, load_args: List[str]) -> Dict[str
             out[label]["output_digests"] = {r.key: hashlib.sha1(r.text.encode()).hexdigest()[:16]
                                             for r in results if r.ok}
             print(f"  {name} / {label}: hit rate {out[label].get('server_cache_hit_rate')}, "
-                  f"{out[label]['request_throughput']:.3f} req/s, TTFT p50 {out[label]['ttft_ms']['p50']:.1f} ms",
-                  flush=True)
+                  f"{out[label]['request_throughput']:.3f} req/s, TTFT p50 {out[label]['ttft_ms']['p50']:.1f} ms "
+                  f"(mean {out[label]['ttft_ms']['mean']:.1f}; in the worker, call start to first message: mean "
+                  f"{out[label]['worker_first_output_ms'] or float('nan'):.1f})", flush=True)
     finally:
         serve.delete("bench")
     return out

@@ -168,7 +168,7 @@ class DecodeWorker(_KVEndpoint, Worker):
         self._handoff = dict.fromkeys(HANDOFF_COUNTERS, 0.0)
 
     def _extra_stats(self) -> Dict[str, float]:
-        return dict(self._handoff)
+        return {**super()._extra_stats(), **self._handoff}
 
     async def generate(self, input_ids: List[int], params: Any, rid: str) -> AsyncIterator[List[Any]]:
         raise TypeError("decode replicas serve generate_disaggregated (mode=disaggregated)")

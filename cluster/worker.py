@@ -52,6 +52,9 @@ class Worker:
         self.engine = Engine(model, enable_cache_events=True, **engine_options)
         self._served: collections.deque = collections.deque(maxlen=4096)
         """rids of recent generate calls (the pinning proof reads them)."""
+        self._first_output = {"first_output_s": 0.0, "first_output_requests": 0}
+        """Sum over streamed requests of call start → first message yielded (this replica's share of the
+        TTFT: with the client's TTFT it splits time inside the worker from ingress, router and transport)."""
 
     async def generate(self, input_ids: List[int], params: Any, rid: str) -> AsyncIterator[List[Any]]:
         """Stream the request's outputs: lists of engine.StreamOutput (see the module docstring)."""
@@ -75,6 +78,7 @@ class Worker:
                 queue.put_nowait(exc)
 
         task = asyncio.ensure_future(pump())
+        start, first = time.perf_counter(), True
         try:
             while True:
                 batch = [await queue.get()]
@@ -88,6 +92,10 @@ class Worker:
                         yield batch[:-1]
                     raise batch[-1]
                 if batch:
+                    if first:
+                        first = False
+                        self._first_output["first_output_s"] += time.perf_counter() - start
+                        self._first_output["first_output_requests"] += 1
                     yield batch
                 if finished:
                     return
@@ -108,7 +116,7 @@ class Worker:
 
     def _extra_stats(self) -> Dict[str, float]:
         """Counters of this replica beside the engine's (reported with them)."""
-        return {}
+        return dict(self._first_output)
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(self.replica_id, self.engine.context_len, self.engine.runner.vocab_size)

@@ -125,6 +125,7 @@ def test_router_stats_and_cluster_metrics(http):
     for wid, w in s["workers"].items():
         assert w["routed_requests"] > 0 and w["tree_tokens"] > 0
         assert w["engine"]["prompt_tokens"] > 0  # reports arrive
+        assert w["engine"]["first_output_requests"] > 0 and w["engine"]["first_output_s"] > 0  # Worker's own counters
     _wait(lambda: all(w["events_applied"] > 0 for w in _stats(http)["workers"].values()), 10, "cache events")
     text = http.get("/metrics").text
     for wid in s["workers"]:

@@ -125,6 +125,8 @@ def test_prefix_reuse_on_both_pools(http):
     _wait(lambda: _all_idle_and_clean(http), 30, "idle after reuse")
     decode = next(iter(_pools(http)["decode"].values()))["engine"]
     assert decode["cached_tokens"] > 0  # the decode replica matched its own cache: fewer pages moved
+    assert decode["handoff_requests"] >= 2 and decode["handoff_call_out_s"] > 0 and decode["handoff_call_back_s"] > 0
+    assert decode["first_output_requests"] >= 2  # the Worker's counters stay beside the handoff ones
 
 
 @pytest.mark.parametrize("after_s", [0.0, 0.15, 0.6, 2.0])
