@@ -83,8 +83,11 @@ def handoff_counters(base_url: str) -> Dict[str, float]:
     first-output counters, summed over replicas."""
     from cluster.disaggregated import HANDOFF_COUNTERS
 
-    workers = httpx.get(f"{base_url}/router/stats", timeout=30).json()["workers"].values()
-    return {k: sum(w["engine"].get(k, 0.0) for w in workers) for k in HANDOFF_COUNTERS + FIRST_OUTPUT_COUNTERS}
+    stats = httpx.get(f"{base_url}/router/stats", timeout=30).json()
+    out = {k: sum(w["engine"].get(k, 0.0) for w in stats["workers"].values())
+           for k in HANDOFF_COUNTERS + FIRST_OUTPUT_COUNTERS}
+    out["route_rpc_p50_ms"] = stats["ingress"]["route_rpc_ms"]["p50"]  # one ingress replica's, whole run so far
+    return out
 
 
 def worker_first_output_ms(before: Dict[str, float], after: Dict[str, float]) -> float | None:
@@ -150,6 +153,7 @@ def run_variant(variant: Dict[str, Any], args, load_args: List[str]) -> Dict[str
             handoff_after = handoff_counters(wl.base_url)
             out[label]["handoff_ms"] = handoff_breakdown(handoff_before, handoff_after)
             out[label]["worker_first_output_ms"] = worker_first_output_ms(handoff_before, handoff_after)
+            out[label]["route_rpc_p50_ms"] = handoff_after["route_rpc_p50_ms"]
             if out[label]["handoff_ms"]:
                 print(f"  {name} / {label}: handoff per request (ms) "
                       + ", ".join(f"{k[:-3]} {v:.2f}" for k, v in out[label]["handoff_ms"].items() if k != "requests"),
@@ -159,7 +163,8 @@ def run_variant(variant: Dict[str, Any], args, load_args: List[str]) -> Dict[str
             print(f"  {name} / {label}: hit rate {out[label].get('server_cache_hit_rate')}, "
                   f"{out[label]['request_throughput']:.3f} req/s, TTFT p50 {out[label]['ttft_ms']['p50']:.1f} ms "
                   f"(mean {out[label]['ttft_ms']['mean']:.1f}; in the worker, call start to first message: mean "
-                  f"{out[label]['worker_first_output_ms'] or float('nan'):.1f})", flush=True)
+                  f"{out[label]['worker_first_output_ms'] or float('nan'):.1f}; the ingress's routing call: p50 "
+                  f"{out[label]['route_rpc_p50_ms']:.1f})", flush=True)
     finally:
         serve.delete("bench")
     return out
