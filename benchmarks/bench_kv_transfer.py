@@ -12,7 +12,8 @@ per run.
 
 Timing is the writer's: write() until its handle is DONE, busy-polled (no event-loop sleeps),
 --repeats times after --warmup untimed transfers; the receiver awaits its expects as a replica
-would (KVTransferBackend.wait: asyncio, polls backing off to 1 ms).
+would (KVTransferBackend.wait: asyncio, polls backing off to 0.2 ms). For NIXL, a ceiling row too:
+NIXL's own call sequence with nothing of ours around it (one region, handle prepared once, re-posted).
 The first transfer of each backend (connection or communicator set-up) is reported alone.
 The roofline, measured in the same run by the driver: a GPU0 → GPU1 torch copy of SIZE bytes
 (CUDA), or a torch copy between two host tensors (CPU). Data is checked after each size.
@@ -31,7 +32,7 @@ import statistics
 import sys
 import time
 import zlib
-from typing import Dict, List
+from typing import Any, Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -114,12 +115,49 @@ class Side:
         asyncio.run(wait_all())
         return len(tids)
 
+    def raw_nixl_timed(self, peer: str, remote_addr: int, remote_device: str, num_pages: int,
+                       count: int) -> List[float]:
+        """NIXL's own call sequence with nothing of radixserve's around it, the ceiling of the nixl rows:
+        pages [1, 1 + num_pages) of this pool into the same pages of the peer's, as ONE region, the
+        transfer handle initialized once and re-posted, no notification. Seconds from transfer() to DONE."""
+        import numpy as np
+
+        agent, buf = self.backend.agent, self.buffers[0]
+        page_bytes = self.backend.layout.page_bytes
+        mem = "DRAM" if buf.device.type == "cpu" else "VRAM"
+
+        def region(addr: int, device: str) -> Any:
+            row = [[addr + page_bytes, num_pages * page_bytes, torch_device_index(device)]]
+            return agent.get_xfer_descs(np.array(row, dtype=np.int64), mem)
+
+        xfer = agent.initialize_xfer("WRITE", region(buf.data_ptr(), str(buf.device)),
+                                     region(remote_addr, remote_device), peer, b"")
+        times = []
+        try:
+            for _ in range(count):
+                t0 = time.perf_counter()
+                state = agent.transfer(xfer)
+                while state not in ("DONE", "ERR"):
+                    state = agent.check_xfer_state(xfer)
+                if state == "ERR":
+                    raise RuntimeError("NIXL reported an error on the raw WRITE")
+                times.append(time.perf_counter() - t0)
+        finally:
+            agent.release_xfer_handle(xfer)
+        return times
+
     def page_sums(self, pages: List[int]) -> List[float]:
         """Per buffer, the float64 sum of the given pages (a data check across processes)."""
         return [float(b.view(-1, self.page_size, *b.shape[1:])[pages].double().sum()) for b in self.buffers]
 
     def close(self) -> None:
         self.backend.close()
+
+
+def torch_device_index(device: str) -> int:
+    """"cuda:3" → 3; "cpu" / "cuda" → 0 (NIXL's device id of a region)."""
+    _, _, index = device.partition(":")
+    return int(index or 0)
 
 
 def roofline(nbytes: int, cuda: bool, repeats: int) -> List[float]:
@@ -198,10 +236,18 @@ def bench_backend(name: str, args, cuda: bool, sizes: List[int], run_lengths: Li
             regions = len(page_runs(np.array(src), np.array(dst)))  # one buffer: one region per run
             rows.append(dict(size_mib=size, run_pages=run_pages, pages=n, regions=regions,
                              **stats(times[args.warmup:], size * MiB)))
+        raw = []
+        if name == "nixl":
+            for size in sizes:
+                n = size * MiB // int(page_mib * MiB)
+                times = ray.get(writer.raw_nixl_timed.remote(r_info.name, r_info.buffer_addrs[0], r_info.layout.device,
+                                                             n, args.warmup + args.repeats))
+                raw.append(dict(size_mib=size, run_pages="-", pages=n, regions=1,
+                                **stats(times[args.warmup:], size * MiB)))
     finally:
         ray.get([writer.close.remote(), reader.close.remote()])
         ray.kill(writer), ray.kill(reader)
-    return {"first_transfer_ms": first_ms, "sizes": rows}
+    return {"first_transfer_ms": first_ms, "sizes": rows, "raw_nixl": raw}
 
 
 def hardware(cuda: bool) -> Dict[str, str]:
@@ -269,10 +315,12 @@ def main() -> None:
         print(f"{label:<24}{size:>6}{'':>6}{'1':>9}{c['best_ms']:>10.3f}{c['median_ms']:>10.3f}"
               f"{c['best_gib_s']:>12.2f}{c['median_gib_s']:>11.2f}{100.0:>11.0f}%")
         for name, res in results.items():
-            for r in (r for r in res["sizes"] if r["size_mib"] == size):
+            rows = [(name, r) for r in res["sizes"] if r["size_mib"] == size]
+            rows += [("nixl alone (ceiling)", r) for r in res["raw_nixl"] if r["size_mib"] == size]
+            for label_r, r in rows:
                 r["pct_of_roofline_best"] = 100 * r["best_gib_s"] / c["best_gib_s"]
                 r["pct_of_roofline_median"] = 100 * r["median_gib_s"] / c["median_gib_s"]
-                print(f"{name:<24}{size:>6}{r['run_pages']:>6}{r['regions']:>9}{r['best_ms']:>10.3f}"
+                print(f"{label_r:<24}{size:>6}{r['run_pages']:>6}{r['regions']:>9}{r['best_ms']:>10.3f}"
                       f"{r['median_ms']:>10.3f}{r['best_gib_s']:>12.2f}{r['median_gib_s']:>11.2f}"
                       f"{r['pct_of_roofline_best']:>11.0f}%")
     for name, res in results.items():
