@@ -78,9 +78,9 @@ FIRST_OUTPUT_COUNTERS = ("first_output_s", "first_output_requests")
 """cluster.worker.Worker's counters of the time from a streamed call's start to its first message."""
 
 
-def handoff_counters(base_url: str) -> Dict[str, float]:
-    """The replicas' handoff counters (cluster.disaggregated.HANDOFF_COUNTERS, zero in unified mode) and
-    first-output counters, summed over replicas."""
+def replica_counters(base_url: str) -> Dict[str, float]:
+    """From /router/stats: the replicas' handoff counters (cluster.disaggregated.HANDOFF_COUNTERS, zero in
+    unified mode) and first-output counters, summed over replicas, and the ingress's routing-call p50."""
     from cluster.disaggregated import HANDOFF_COUNTERS
 
     stats = httpx.get(f"{base_url}/router/stats", timeout=30).json()
@@ -145,15 +145,15 @@ def run_variant(variant: Dict[str, Any], args, load_args: List[str]) -> Dict[str
                                               + ["--base-url", args.base_url])
             sessions = bs.make_workload(wl)
             before = bs.server_cache_counters(wl.base_url, None)
-            handoff_before = handoff_counters(wl.base_url)
+            counters_before = replica_counters(wl.base_url)
             results, duration = asyncio.run(bs.run_load(wl, sessions))
             time.sleep(4 * common["report_interval_s"])  # the router's view of the workers' counters catches up
             after = bs.server_cache_counters(wl.base_url, None)
             out[label] = bs.summarize(results, duration, before, after)
-            handoff_after = handoff_counters(wl.base_url)
-            out[label]["handoff_ms"] = handoff_breakdown(handoff_before, handoff_after)
-            out[label]["worker_first_output_ms"] = worker_first_output_ms(handoff_before, handoff_after)
-            out[label]["route_rpc_p50_ms"] = handoff_after["route_rpc_p50_ms"]
+            counters_after = replica_counters(wl.base_url)
+            out[label]["handoff_ms"] = handoff_breakdown(counters_before, counters_after)
+            out[label]["worker_first_output_ms"] = worker_first_output_ms(counters_before, counters_after)
+            out[label]["route_rpc_p50_ms"] = counters_after["route_rpc_p50_ms"]
             if out[label]["handoff_ms"]:
                 print(f"  {name} / {label}: handoff per request (ms) "
                       + ", ".join(f"{k[:-3]} {v:.2f}" for k, v in out[label]["handoff_ms"].items() if k != "requests"),

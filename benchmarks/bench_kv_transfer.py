@@ -121,13 +121,14 @@ class Side:
         pages [1, 1 + num_pages) of this pool into the same pages of the peer's, as ONE region, the
         transfer handle initialized once and re-posted, no notification. Seconds from transfer() to DONE."""
         import numpy as np
+        import torch
 
         agent, buf = self.backend.agent, self.buffers[0]
         page_bytes = self.backend.layout.page_bytes
         mem = "DRAM" if buf.device.type == "cpu" else "VRAM"
 
         def region(addr: int, device: str) -> Any:
-            row = [[addr + page_bytes, num_pages * page_bytes, torch_device_index(device)]]
+            row = [[addr + page_bytes, num_pages * page_bytes, torch.device(device).index or 0]]
             return agent.get_xfer_descs(np.array(row, dtype=np.int64), mem)
 
         xfer = agent.initialize_xfer("WRITE", region(buf.data_ptr(), str(buf.device)),
@@ -152,12 +153,6 @@ class Side:
 
     def close(self) -> None:
         self.backend.close()
-
-
-def torch_device_index(device: str) -> int:
-    """"cuda:3" → 3; "cpu" / "cuda" → 0 (NIXL's device id of a region)."""
-    _, _, index = device.partition(":")
-    return int(index or 0)
 
 
 def roofline(nbytes: int, cuda: bool, repeats: int) -> List[float]:

@@ -157,9 +157,9 @@ class HandoffState:
         prompt_len = len(req.origin_input_ids)
         self.kv.cache_unfinished(req)  # share the prompt with later requests while the transfer runs
         self.held[req.rid] = req
+        slots = self.kv.req_to_token_pool.read(req.req_pool_idx, prompt_len)
         handoff = PrefillHandoff(
-            req.rid, prompt_len, _page_ids(self.kv.req_to_token_pool.read(req.req_pool_idx, prompt_len), self.kv.page_size),
-            self.kv.page_size, token,
+            req.rid, prompt_len, _page_ids(slots, self.kv.page_size), self.kv.page_size, token,
             logprob if req.sampling_params.logprobs else None,
             list(req.prompt_logprobs) if req.sampling_params.prompt_logprobs is not None else None,
             req.cached_tokens)
