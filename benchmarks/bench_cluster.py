@@ -74,27 +74,53 @@ def variant_name(variant: Dict[str, Any]) -> str:
     return ",".join(f"{k}={v}" for k, v in variant.items()) or "default"
 
 
+def run_names(variants: List[Dict[str, Any]]) -> List[str]:
+    """One name per run: a variant given again (interleaved repeats, `U D U D`, to see the run-to-run
+    spread beside the difference) is named "<variant> #2", "#3", ..."""
+    names: List[str] = []
+    for variant in variants:
+        name = variant_name(variant)
+        seen = sum(1 for n in names if n == name or n.startswith(name + " #"))
+        names.append(name if not seen else f"{name} #{seen + 1}")
+    return names
+
+
 FIRST_OUTPUT_COUNTERS = ("first_output_s", "first_output_requests")
 """cluster.worker.Worker's counters of the time from a streamed call's start to its first message."""
 
 
+INGRESS_COUNTERS = ("route_rpc_s", "route_rpc_calls", "first_message_s", "first_message_requests")
+"""cluster.latency.IngressLatency's sums: the routing call, and the worker call → first message with tokens."""
+
+
 def replica_counters(base_url: str) -> Dict[str, float]:
     """From /router/stats: the replicas' handoff counters (cluster.disaggregated.HANDOFF_COUNTERS, zero in
-    unified mode) and first-output counters, summed over replicas, and the ingress's routing-call p50."""
+    unified mode) and first-output counters, summed over replicas, and the ingress's latency sums (one
+    ingress replica: this benchmark starts one)."""
     from cluster.disaggregated import HANDOFF_COUNTERS
 
     stats = httpx.get(f"{base_url}/router/stats", timeout=30).json()
     out = {k: sum(w["engine"].get(k, 0.0) for w in stats["workers"].values())
            for k in HANDOFF_COUNTERS + FIRST_OUTPUT_COUNTERS}
-    out["route_rpc_p50_ms"] = stats["ingress"]["route_rpc_ms"]["p50"]  # one ingress replica's, whole run so far
+    out.update({k: stats["ingress"][k] for k in INGRESS_COUNTERS})
     return out
 
 
-def worker_first_output_ms(before: Dict[str, float], after: Dict[str, float]) -> float | None:
-    """Mean ms from a worker call's start to its first streamed message over one workload (None if none):
-    the client's TTFT minus this is the ingress, router and Serve transport."""
-    n = after.get("first_output_requests", 0) - before.get("first_output_requests", 0)
-    return (after["first_output_s"] - before["first_output_s"]) / n * 1e3 if n else None
+def _mean_ms(before: Dict[str, float], after: Dict[str, float], seconds: str, count: str) -> float | None:
+    n = after.get(count, 0) - before.get(count, 0)
+    return (after[seconds] - before[seconds]) / n * 1e3 if n else None
+
+
+def ttft_split(before: Dict[str, float], after: Dict[str, float]) -> Dict[str, float | None]:
+    """Means over one workload (ms): the ingress's routing call; its worker call → first message; the
+    worker's own call start → first message (its transport out and back is the difference)."""
+    return {"route_rpc_ms": _mean_ms(before, after, "route_rpc_s", "route_rpc_calls"),
+            "first_message_ms": _mean_ms(before, after, "first_message_s", "first_message_requests"),
+            "worker_first_output_ms": _mean_ms(before, after, "first_output_s", "first_output_requests")}
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
 
 
 def handoff_breakdown(before: Dict[str, float], after: Dict[str, float]) -> Dict[str, float]:
@@ -119,7 +145,7 @@ def warm_up(base_url: str, model: str, n: int) -> None:
         r.raise_for_status()
 
 
-def run_variant(variant: Dict[str, Any], args, load_args: List[str]) -> Dict[str, Any]:
+def run_variant(variant: Dict[str, Any], args, load_args: List[str], name: str = "") -> Dict[str, Any]:
     """Start the cluster of `variant`, run every dataset, stop it. Returns {dataset: summary}."""
     from ray import serve
 
@@ -131,7 +157,7 @@ def run_variant(variant: Dict[str, Any], args, load_args: List[str]) -> Dict[str
     if variant.get("mode", "unified") == "unified":
         common["workers"] = args.workers
     cluster_args = ClusterArgs(**{**common, **variant})
-    name = variant_name(variant)
+    name = name or variant_name(variant)
     t0 = time.perf_counter()
     serve.run(deployment(cluster_args), name="bench", route_prefix="/")
     startup_s = time.perf_counter() - t0
@@ -144,6 +170,7 @@ def run_variant(variant: Dict[str, Any], args, load_args: List[str]) -> Dict[str
             wl = bs.build_parser().parse_args(["--model", served] + load_args + workload_args
                                               + ["--base-url", args.base_url])
             sessions = bs.make_workload(wl)
+            time.sleep(4 * common["report_interval_s"])  # the router's view of the counters includes the warm-up
             before = bs.server_cache_counters(wl.base_url, None)
             counters_before = replica_counters(wl.base_url)
             results, duration = asyncio.run(bs.run_load(wl, sessions))
@@ -152,8 +179,7 @@ def run_variant(variant: Dict[str, Any], args, load_args: List[str]) -> Dict[str
             out[label] = bs.summarize(results, duration, before, after)
             counters_after = replica_counters(wl.base_url)
             out[label]["handoff_ms"] = handoff_breakdown(counters_before, counters_after)
-            out[label]["worker_first_output_ms"] = worker_first_output_ms(counters_before, counters_after)
-            out[label]["route_rpc_p50_ms"] = counters_after["route_rpc_p50_ms"]
+            out[label]["ttft_split_ms"] = split = ttft_split(counters_before, counters_after)
             if out[label]["handoff_ms"]:
                 print(f"  {name} / {label}: handoff per request (ms) "
                       + ", ".join(f"{k[:-3]} {v:.2f}" for k, v in out[label]["handoff_ms"].items() if k != "requests"),
@@ -162,9 +188,9 @@ def run_variant(variant: Dict[str, Any], args, load_args: List[str]) -> Dict[str
                                             for r in results if r.ok}
             print(f"  {name} / {label}: hit rate {out[label].get('server_cache_hit_rate')}, "
                   f"{out[label]['request_throughput']:.3f} req/s, TTFT p50 {out[label]['ttft_ms']['p50']:.1f} ms "
-                  f"(mean {out[label]['ttft_ms']['mean']:.1f}; in the worker, call start to first message: mean "
-                  f"{out[label]['worker_first_output_ms'] or float('nan'):.1f}; the ingress's routing call: p50 "
-                  f"{out[label]['route_rpc_p50_ms']:.1f})", flush=True)
+                  f"(mean {out[label]['ttft_ms']['mean']:.1f} = routing call {_ms(split['route_rpc_ms'])} + worker call "
+                  f"to first message {_ms(split['first_message_ms'])}, of which in the worker "
+                  f"{_ms(split['worker_first_output_ms'])}; rest: HTTP and serving)", flush=True)
     finally:
         serve.delete("bench")
     return out
@@ -190,7 +216,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", nargs="+", type=json.loads,
                    default=[{"policy": "cache_aware"}, {"policy": "round_robin"}],
-                   help="JSON objects of ClusterArgs fields, one per variant (the first is the baseline of the ratios).")
+                   help="JSON objects of ClusterArgs fields, one per variant (the first is the baseline of the ratios; "
+                        "a variant may be repeated: each repeat is a run of its own).")
     p.add_argument("--datasets", nargs="+", default=["shared-prefix", "multi-turn"],
                    choices=["random", "shared-prefix", "multi-turn"])
     p.add_argument("--workload", nargs=2, action="append", metavar=("LABEL", "ARGS"), default=None,
@@ -216,16 +243,16 @@ def main() -> None:
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     args.base_url = f"http://127.0.0.1:{port}"
+    names = run_names(args.variants)
     runs = {}
     try:
-        for variant in args.variants:
-            print(f"variant {variant_name(variant)}: starting", flush=True)
-            runs[variant_name(variant)] = run_variant(variant, args, load_args)
+        for name, variant in zip(names, args.variants):
+            print(f"variant {name}: starting", flush=True)
+            runs[name] = run_variant(variant, args, load_args, name)
     finally:
         serve.shutdown()
         ray.shutdown()
 
-    names = [variant_name(v) for v in args.variants]
     base = names[0]
     ratios: Dict[str, Dict[str, Dict[str, float]]] = {}
     print(f"\n{'dataset':<14} {'metric':<14} " + " ".join(f"{n[:24]:>24}" for n in names))

@@ -50,7 +50,8 @@ def run_bare(args, sessions) -> Dict[str, Any]:
         torch.set_num_threads(args.threads)
     from engine import Engine
 
-    opts = dict(max_total_tokens=args.max_total_tokens, chunked_prefill_size=args.chunked_prefill_size)
+    opts = dict(max_total_tokens=args.max_total_tokens, chunked_prefill_size=args.chunked_prefill_size,
+                **args.engine_options)
     t0 = time.perf_counter()
     engine = Engine(**{k: v for k, v in opts.items() if v is not None})
     load_s = time.perf_counter() - t0
@@ -133,6 +134,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="bare: torch threads (match the worker's).")
     p.add_argument("--max-total-tokens", type=int, default=None, help="bare: KV pool (match the worker's).")
     p.add_argument("--chunked-prefill-size", type=int, default=None)
+    p.add_argument("--engine-options", type=json.loads, default={},
+                   help='bare: more EngineConfig fields as JSON, the same the cluster\'s worker got, e.g. '
+                        '\'{"model": "/path/llama", "load_format": "dummy"}\' (default: the default model).')
     p.add_argument("--label", default="")
     p.add_argument("--out", default=None)
     args = p.parse_args()

@@ -279,6 +279,7 @@ class DisaggregatedBackend(ClusterBackend):
             finally:
                 if self._active.pop(rid, None) is not None:
                     gen.cancel()
+                self.latency.on_request(clock)
                 self._finish_pair(pair, clock)
 
     async def _report_failure(self, pair: Any, cause: BaseException) -> None:

@@ -14,7 +14,6 @@ generator, Serve cancels the worker's generator, and the engine aborts the reque
 replicas hold no routing state (it lives in the router deployment), so they scale freely.
 """
 import asyncio
-import collections
 import time
 from typing import Any, AsyncIterator, Dict, List, Optional
 
@@ -23,7 +22,7 @@ from prometheus_client.core import GaugeMetricFamily
 from ray import serve
 from ray.exceptions import RayTaskError
 
-from cluster.latency import RequestClock
+from cluster.latency import IngressLatency, RequestClock
 from cluster.router.policies import NoWorkersError
 from serving.backend import ServingBackend
 from serving.errors import APIError
@@ -45,7 +44,8 @@ class ClusterBackend(ServingBackend):
         self.tokenizer, self.context_len, self._vocab_size = tokenizer, context_len, vocab_size
         self._active: Dict[str, Any] = {}
         self._finishing: set = set()
-        self.route_rpc_ms: collections.deque = collections.deque(maxlen=4096)
+        self.latency = IngressLatency()
+        """This replica's routing-call and call → first message times (GET /router/stats, "ingress")."""
         self.last_stats: Optional[Any] = None
         """The last ClusterStats fetched (for the per-worker metrics collector)."""
 
@@ -54,7 +54,7 @@ class ClusterBackend(ServingBackend):
         return self._vocab_size
 
     async def _ask_router(self, call) -> Any:
-        """Await a routing call (bounded); the time goes to route_rpc_ms; no worker → HTTP 503."""
+        """Await a routing call (bounded); its time goes to self.latency; no worker → HTTP 503."""
         start = time.perf_counter()
         try:
             decision = await asyncio.wait_for(call, _RPC_TIMEOUT_S)
@@ -63,7 +63,7 @@ class ClusterBackend(ServingBackend):
             if isinstance(exc, NoWorkersError):
                 raise APIError(503, f"no worker replica is available: {exc}", None, "no_workers") from None
             raise exc
-        self.route_rpc_ms.append((time.perf_counter() - start) * 1e3)
+        self.latency.on_route((time.perf_counter() - start) * 1e3)
         return decision
 
     async def generate_stream(self, input_ids: List[int], params: Any, rid: str) -> AsyncIterator[Any]:
@@ -82,6 +82,7 @@ class ClusterBackend(ServingBackend):
         finally:
             if self._active.pop(rid, None) is not None:
                 gen.cancel()
+            self.latency.on_request(clock)
             self._finish(decision.worker_id, timing=clock.timing())
 
     def _finish(self, worker_id: str, timing: Any = None) -> None:
@@ -186,11 +187,9 @@ class Ingress:
 
         @app.get("/router/stats")
         async def router_stats() -> Dict[str, Any]:
-            from cluster.router.router import percentiles
-
             s = await backend.cluster_stats()
             out = s.model_dump()
-            out["ingress"] = {"replica": replica_id, "route_rpc_ms": percentiles(backend.route_rpc_ms)}
+            out["ingress"] = {"replica": replica_id, **backend.latency.snapshot()}
             return out
 
         return app

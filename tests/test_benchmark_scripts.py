@@ -44,3 +44,12 @@ def test_bench_serving_against_the_server(default_engine, tmp_path, dataset):
     summary = result.get("summary") or result
     assert summary["completed"] == summary["requests"] > 0 and summary["failed"] == 0
     assert_no_leak(default_engine)
+
+
+def test_bench_cluster_names_repeated_variants_apart():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_cluster
+
+    unified, disagg = {"workers": 1}, {"mode": "disaggregated"}
+    assert bench_cluster.run_names([unified, disagg, unified, disagg, unified]) == [
+        "workers=1", "mode=disaggregated", "workers=1 #2", "mode=disaggregated #2", "workers=1 #3"]

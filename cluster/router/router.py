@@ -32,7 +32,7 @@ from ray.exceptions import ActorDiedError
 
 from cluster import membership
 from cluster.router.policies import NoWorkersError, Router, RoutingDecision
-from cluster.latency import RequestTiming
+from cluster.latency import RequestTiming, percentiles
 from cluster.router.state import RouterConfig
 from cluster.scaling import PoolScaler
 from cluster.scaling_models import AdminError, ClusterPools, PoolStatus, ReplicaStatus, ScaleRequest
@@ -283,15 +283,3 @@ class RouterDeployment:
     async def _report(self, p: _Pool, worker_id: str):
         call = p.handle.options(session_id=worker_id).report.remote()
         return await asyncio.wait_for(call, timeout=max(5.0, 10 * self.report_interval_s))
-
-
-def percentiles(samples) -> Dict[str, float]:
-    """p50, p99, max and count of latency samples (ms)."""
-    if not samples:
-        return {"p50": 0.0, "p99": 0.0, "max": 0.0, "count": 0}
-    xs = sorted(samples)
-
-    def q(p: float) -> float:
-        return xs[min(len(xs) - 1, round(p * (len(xs) - 1)))]
-
-    return {"p50": q(0.5), "p99": q(0.99), "max": xs[-1], "count": len(xs)}
