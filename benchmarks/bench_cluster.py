@@ -124,15 +124,20 @@ def _ms(value: float | None) -> str:
 
 
 def handoff_breakdown(before: Dict[str, float], after: Dict[str, float]) -> Dict[str, float]:
-    """Mean milliseconds per handed-over request of each stage over one workload ({} when none)."""
+    """Mean milliseconds per handoff of each stage over one workload ({} when none): reserve and ready per
+    handed-over request, the call's stages per returned call (cluster.disaggregated.HANDOFF_COUNTERS)."""
     n = after.get("handoff_requests", 0) - before.get("handoff_requests", 0)
-    if not n:
+    calls = after.get("handoff_calls", 0) - before.get("handoff_calls", 0)
+    if not n or not calls:
         return {}
-    out = {k[len("handoff_"):-2] + "_ms": (after[k] - before[k]) / n * 1e3 for k in after
-           if k.startswith("handoff_") and k.endswith("_s")}
-    out["overhead_ms"] = out["reserve_ms"] + out["call_ms"] - out["prefill_compute_ms"] + out["expect_ms"]
-    out["requests"] = n
+    out = {k[len("handoff_"):-2] + "_ms": (after[k] - before[k]) / (n if k in _PER_REQUEST else calls) * 1e3
+           for k in after if k.startswith("handoff_") and k.endswith("_s")}
+    out["overhead_ms"] = out["reserve_ms"] + out["ready_ms"] - out["prefill_compute_ms"]
+    out["requests"], out["notified"] = n, after["handoff_notified"] - before["handoff_notified"]
     return out
+
+
+_PER_REQUEST = ("handoff_reserve_s", "handoff_ready_s")
 
 
 def warm_up(base_url: str, model: str, n: int) -> None:
@@ -237,9 +242,10 @@ def main() -> None:
     import ray
     from ray import serve
 
+    radixserve_env = {k: v for k, v in os.environ.items() if k.startswith("RADIXSERVE_")}  # reach the replicas
     ray.init(num_cpus=args.ray_cpus, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-                                       "TRANSFORMERS_OFFLINE": "1"}})
+                                       "TRANSFORMERS_OFFLINE": "1", **radixserve_env}})
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     args.base_url = f"http://127.0.0.1:{port}"

@@ -25,6 +25,7 @@ reported to the router first so that the new pair avoids them. Later failures re
 import asyncio
 import dataclasses
 import logging
+import pickle
 import time
 import uuid
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ import numpy as np
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
 
 from cluster.ingress import ClusterBackend, _unwrap
-from cluster.kv_transfer import PeerInfo, kv_pool_buffers, make_backend
+from cluster.kv_transfer import MAX_MESSAGE_BYTES, PeerInfo, kv_pool_buffers, make_backend
 from cluster.latency import RequestClock
 from cluster.worker import Worker
 
@@ -94,12 +95,25 @@ class PrefillResult:
     accuracy across hosts)."""
 
 
-HANDOFF_COUNTERS = ("handoff_requests", "handoff_reserve_s", "handoff_call_s", "handoff_prefill_compute_s",
-                    "handoff_prefill_transfer_s", "handoff_call_out_s", "handoff_call_back_s", "handoff_expect_s")
-"""Decode replicas' handoff counters (sums over successful handoffs, in the stats they report): request
-arrival → pages reserved; the prefill call (compute + transfer + call overheads), and of it the transport
-out (call made → running on the prefill replica) and back (returned there → result here); the wait for
-the notification after the call returned. Overhead over a unified TTFT ≈ reserve + call − compute + expect."""
+HANDOFF_COUNTERS = ("handoff_requests", "handoff_notified", "handoff_reserve_s", "handoff_ready_s",
+                    "handoff_calls", "handoff_call_s", "handoff_prefill_compute_s", "handoff_prefill_transfer_s",
+                    "handoff_call_out_s", "handoff_call_back_s")
+"""Decode replicas' handoff counters (sums, in the stats they report). Per successful handoff
+(handoff_requests): request arrival → pages reserved (reserve); prefill call made → first token and KV
+here (ready: the critical path; handoff_notified counts those that went on when the KV's completion
+notice brought the handoff, before the call returned). Per returned prefill call (handoff_calls): the
+call (compute + transfer + call overheads), and of it the transport out (call made → running on the
+prefill replica) and back (returned there → result here). Overhead over a unified TTFT ≈ reserve +
+ready − compute."""
+
+
+def handoff_message(handoff: Any) -> bytes:
+    """The PrefillHandoff as the message that travels with its KV (without the source page ids, which only
+    the prefill side needs), so that the decode side can go on as soon as the bytes have landed instead of
+    when the prefill call returns; b"" when it does not fit one (large prompt_logprobs): the decode side
+    then takes the handoff from the call's result."""
+    message = pickle.dumps(dataclasses.replace(handoff, src_pages=np.empty(0, dtype=np.int64)))
+    return message if len(message) <= MAX_MESSAGE_BYTES else b""
 
 
 async def _awaited(call) -> Any:
@@ -148,7 +162,8 @@ class PrefillWorker(_KVEndpoint, Worker):
         computed = time.perf_counter()
         try:
             src = handoff.pages_from(target.prefix_len)
-            handle = self.transfer.write(target.peer.name, src, target.dst_pages, target.transfer_id)
+            handle = self.transfer.write(target.peer.name, src, target.dst_pages, target.transfer_id,
+                                         message=handoff_message(handoff))
             await self.transfer.wait(handle, self.transfer_timeout_s)
         finally:
             self.engine.release_handoff(rid)
@@ -166,6 +181,8 @@ class DecodeWorker(_KVEndpoint, Worker):
         """DeploymentHandle of the prefill pool (calls pinned by session_id)."""
         self._peers: Dict[str, PeerInfo] = {}
         self._handoff = dict.fromkeys(HANDOFF_COUNTERS, 0.0)
+        self._calls: set = set()
+        """Prefill calls not yet returned."""
 
     def _extra_stats(self) -> Dict[str, float]:
         return {**super()._extra_stats(), **self._handoff}
@@ -201,18 +218,21 @@ class DecodeWorker(_KVEndpoint, Worker):
             input_ids, dataclasses.replace(params, seed=reservation.seed), rid, target)
         result = asyncio.ensure_future(_awaited(call))
         called, called_at = time.perf_counter(), time.time()
+        result.add_done_callback(lambda done: self._count_call(done, called, called_at))
+        self._calls.add(result)  # it may outlive this coroutine (the KV's notice came first)
+        result.add_done_callback(self._calls.discard)
+        arrival = asyncio.ensure_future(self.transfer.wait(handle, self.transfer_timeout_s))
         try:
-            prefilled = await asyncio.wait_for(asyncio.shield(result), PREFILL_CALL_TIMEOUT_S)
-            returned, returned_at = time.perf_counter(), time.time()
-            await self.transfer.wait(handle, self.transfer_timeout_s)  # the bytes have landed here
+            handoff = await asyncio.wait_for(self._first_of(result, arrival, handle), PREFILL_CALL_TIMEOUT_S)
         except BaseException as exc:
+            arrival.cancel()
+            self.transfer.release(handle)
             if not result.done():
                 # The prefill may still be writing into our pages: they are freed (by the engine's
                 # abort, once this raises) only after it let go of them — its own transfer wait is
                 # bounded by the same timeout.
                 call.cancel()
                 await self._settle(result)
-            self.transfer.release(handle)
             if isinstance(exc, asyncio.CancelledError):
                 raise
             cause = _unwrap(exc)
@@ -220,14 +240,36 @@ class DecodeWorker(_KVEndpoint, Worker):
                 self._peers.pop(prefill_id, None)
             raise PrefillFailedError(f"remote prefill on {prefill_id} failed: {cause!r}", prefill_id,
                                      _is_dead(cause)) from None
+        self._handoff["handoff_ready_s"] += time.perf_counter() - called
+        self._handoff["handoff_requests"] += 1
+        return handoff
+
+    async def _first_of(self, result: "asyncio.Future", arrival: "asyncio.Future", handle) -> Any:
+        """The PrefillHandoff, as soon as the KV has landed here and the handoff is known: from the
+        message that came with the KV (usually), else from the prefill call's result. Raises what the
+        call or the transfer raised."""
+        done, _ = await asyncio.wait([result, arrival], return_when=asyncio.FIRST_COMPLETED)
+        if arrival in done:
+            arrival.result()  # raises if the transfer failed or timed out
+            if handle.message:
+                self._handoff["handoff_notified"] += 1
+                return pickle.loads(handle.message)  # the call returns later (_count_call)
+            return (await asyncio.shield(result)).handoff  # shielded: a failure here settles the call first
+        handoff = result.result().handoff  # raises if the call failed
+        await arrival  # the call returned first: wait until the bytes have landed here
+        return handoff
+
+    def _count_call(self, result: "asyncio.Future", called: float, called_at: float) -> None:
+        """When a prefill call returns: add its times to the counters (failures are handled elsewhere)."""
+        if result.cancelled() or result.exception() is not None:
+            return
+        returned, returned_at, prefilled = time.perf_counter(), time.time(), result.result()
         for key, seconds in (("handoff_call_s", returned - called), ("handoff_prefill_compute_s", prefilled.compute_s),
                              ("handoff_prefill_transfer_s", prefilled.transfer_s),
                              ("handoff_call_out_s", prefilled.entered_at - called_at),
-                             ("handoff_call_back_s", returned_at - prefilled.left_at),
-                             ("handoff_expect_s", time.perf_counter() - returned)):
+                             ("handoff_call_back_s", returned_at - prefilled.left_at)):
             self._handoff[key] += seconds
-        self._handoff["handoff_requests"] += 1
-        return prefilled.handoff
+        self._handoff["handoff_calls"] += 1
 
     async def _settle(self, result: "asyncio.Future") -> None:
         """Wait (bounded) until a cancelled prefill call has finished, whatever its outcome."""

@@ -58,17 +58,21 @@ class _Peer:
         handle = self.backend.write(peer, src, dst, transfer_id)
         asyncio.run(self.backend.wait(handle, timeout_s))
 
-    def expect(self, peer: str, dst, transfer_id: str, timeout_s: float) -> None:
+    def expect(self, peer: str, dst, transfer_id: str, timeout_s: float) -> bytes:
+        """Await one transfer; returns the message that came with it."""
         handle = self.backend.expect(peer, dst, transfer_id)
         asyncio.run(self.backend.wait(handle, timeout_s))
+        return handle.message
 
-    def expect_many(self, peer: str, transfers: list[tuple], timeout_s: float) -> None:
-        """Expect every (dst_pages, transfer_id) at once, in the given order, and wait for all."""
+    def expect_many(self, peer: str, transfers: list[tuple], timeout_s: float) -> list[bytes]:
+        """Expect every (dst_pages, transfer_id) at once, in the given order, and wait for all; returns
+        their messages in that order."""
         handles = [self.backend.expect(peer, *transfer) for transfer in transfers]
 
         async def wait_all():
             await asyncio.gather(*(self.backend.wait(h, timeout_s) for h in handles))
         asyncio.run(wait_all())
+        return [h.message for h in handles]
 
     def live_handles(self) -> int:
         return len(self.backend._live)

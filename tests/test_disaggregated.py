@@ -126,6 +126,8 @@ def test_prefix_reuse_on_both_pools(http):
     decode = next(iter(_pools(http)["decode"].values()))["engine"]
     assert decode["cached_tokens"] > 0  # the decode replica matched its own cache: fewer pages moved
     assert decode["handoff_requests"] >= 2 and decode["handoff_call_out_s"] > 0 and decode["handoff_call_back_s"] > 0
+    # the first token came with the KV's completion notice (not with the call's return)
+    assert decode["handoff_notified"] >= 1 and decode["handoff_ready_s"] > 0
     assert decode["first_output_requests"] >= 2  # the Worker's counters stay beside the handoff ones
 
 

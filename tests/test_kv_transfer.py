@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.kv_transfer import (KVTransferError, KVTransferTimeout, PageRun, TransferStatus, kv_pool_buffers,
-                                 make_backend, page_runs)
+from cluster.kv_transfer import (MAX_MESSAGE_BYTES, KVTransferError, KVTransferTimeout, PageRun, TransferStatus,
+                                 kv_pool_buffers, make_backend, page_runs)
 from kv_transfer_harness import NUM_LAYERS, PAGE_SIZE, PeerProcess, fill, make_pool
 
 WRITER_PAGES, READER_PAGES = 64, 48
@@ -80,11 +80,13 @@ def test_nixl_random_pages_arrive_with_notification(nixl_pair):
     t1, t2 = _tid(), _tid()
     # Two transfers in flight, expected in one order and written in the other.
     reader.start_call("expect_many", "prefill-0", [(dst[:20], t1), (dst[20:], t2)], 30.0)
-    handles = [writer.write("decode-0", src[20:], dst[20:], t2), writer.write("decode-0", src[:20], dst[:20], t1)]
+    handles = [writer.write("decode-0", src[20:], dst[20:], t2, message=b"second \x00\xff|"),
+               writer.write("decode-0", src[:20], dst[:20], t1)]
     assert handles[1].nbytes == 20 * writer.layout.page_bytes * writer.layout.num_buffers
     for handle in handles:
         asyncio.run(writer.wait(handle, 30.0))
-    reader.finish_call()  # returns only once both notifications arrived
+    # returns only once both notifications arrived, each with its own message (binary-safe)
+    assert reader.finish_call() == [b"", b"second \x00\xff|"]
     assert all(h.released for h in handles) and not writer._live
     _check_received(reader.call("buffers_cpu"), buffers, src, dst)
 
@@ -92,8 +94,8 @@ def test_nixl_random_pages_arrive_with_notification(nixl_pair):
     free = sorted(set(range(1, READER_PAGES)) - set(dst), reverse=True)
     src2, dst2 = torch.tensor([60, 61, 62]), torch.tensor(free[:3])  # descending: three runs
     tid = _tid()
-    writer.wait_sync(writer.write("decode-0", src2, dst2, tid), 30.0)
-    reader.call("expect", "prefill-0", dst2, tid, 30.0)
+    writer.wait_sync(writer.write("decode-0", src2, dst2, tid, message=b"m" * MAX_MESSAGE_BYTES), 30.0)
+    assert reader.call("expect", "prefill-0", dst2, tid, 30.0) == b"m" * MAX_MESSAGE_BYTES
     _check_received(reader.call("buffers_cpu"), buffers, src + src2.tolist(), dst + dst2.tolist())
     assert reader.call("live_handles") == 0
 
@@ -169,6 +171,9 @@ def test_nixl_invalid_peers_ids_and_layouts_raise(nixl_pair):
         writer.expect("decode-9", [1], _tid())
     with pytest.raises(KVTransferError, match="transfer_id"):
         writer.expect("decode-0", [1], "")
+    with pytest.raises(KVTransferError, match="message must be bytes of at most"):
+        writer.write("decode-0", [1], [1], _tid(), message=b"x" * (MAX_MESSAGE_BYTES + 1))
+    assert not writer._live
     handle = writer.expect("decode-0", [1], "same-id")
     with pytest.raises(KVTransferError, match="already in flight"):
         writer.expect("decode-0", [2], "same-id")
@@ -232,11 +237,11 @@ def test_nccl_random_pages_between_two_gpus():
         # Two transfers expected in one order and written in the other: NCCL matches by order,
         # the backend by transfer id.
         reader.start_call("expect_many", "prefill-nccl", [(dst[:20], "n1"), (dst[20:], "n2")], 60.0)
-        handles = [writer.write("decode-nccl", src[20:], dst[20:], "n2"),
+        handles = [writer.write("decode-nccl", src[20:], dst[20:], "n2", message=b"\x00two"),
                    writer.write("decode-nccl", src[:20], dst[:20], "n1")]
         for handle in handles:
             writer.wait_sync(handle, 60.0)
-        reader.finish_call()
+        assert reader.finish_call() == [b"", b"\x00two"]
         assert not writer._live and reader.call("live_handles") == 0
         _check_received(reader.call("buffers_cpu"), [b.cpu() for b in buffers], src, dst)
     finally:

@@ -27,9 +27,9 @@ from __future__ import annotations
 import importlib
 from typing import Any, Sequence
 
-from cluster.kv_transfer.base import (KVLayout, KVTransferBackend, KVTransferError, KVTransferTimeout,  # noqa: F401
-                                      PageRun, PeerInfo, TransferHandle, TransferStatus, page_runs,
-                                      transfer_digest)
+from cluster.kv_transfer.base import (MAX_MESSAGE_BYTES, KVLayout, KVTransferBackend, KVTransferError,  # noqa: F401
+                                      KVTransferTimeout, PageRun, PeerInfo, TransferHandle, TransferStatus,
+                                      page_runs, transfer_digest)
 
 _BACKENDS = {
     "nixl": ("cluster.kv_transfer.nixl", "NixlBackend"),

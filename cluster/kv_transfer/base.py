@@ -167,6 +167,10 @@ def transfer_digest(dst_pages: np.ndarray, buffer_ids: np.ndarray) -> int:
                       + np.ascontiguousarray(buffer_ids, dtype=np.int64).tobytes())
 
 
+MAX_MESSAGE_BYTES = 64 * 1024
+"""Largest message a write carries to the receiver (a handoff's first token and logprobs fit easily)."""
+
+
 @dataclass(eq=False)
 class TransferHandle:
     """One side of one transfer, owned by the backend that made it (not picklable).
@@ -186,6 +190,9 @@ class TransferHandle:
     started: float = field(default_factory=time.monotonic)
     error: Optional[str] = None
     """Why the transfer failed (set when poll returns FAILED)."""
+    message: bytes = b""
+    """Writer: the bytes sent with the transfer's completion notice. Receiver: the bytes that came
+    with it, set once poll returns DONE (and kept after release)."""
     released: bool = False
     state: Any = None
     """Backend-private state (native handles, works)."""
@@ -236,9 +243,14 @@ class KVTransferBackend(abc.ABC):
         self._connect(peer)
         self._peers[peer.name] = peer
 
-    def write(self, peer: str, src_pages: Any, dst_pages: Any, transfer_id: str) -> TransferHandle:
-        """Start writing local src_pages into the peer's dst_pages, in every buffer (asynchronous; writer side)."""
+    def write(self, peer: str, src_pages: Any, dst_pages: Any, transfer_id: str, message: bytes = b"") -> TransferHandle:
+        """Start writing local src_pages into the peer's dst_pages, in every buffer (asynchronous; writer side).
+        `message` (at most MAX_MESSAGE_BYTES) reaches the receiver's handle with the transfer's completion:
+        when its expect is DONE, the pages and the message have both arrived."""
         info = self._peer(peer)
+        if not isinstance(message, bytes) or len(message) > MAX_MESSAGE_BYTES:
+            raise KVTransferError(f"message must be bytes of at most {MAX_MESSAGE_BYTES} (got "
+                                  f"{type(message).__name__} of {len(message) if isinstance(message, bytes) else '?'})")
         src = as_pages(src_pages, "src_pages")
         dst = as_pages(dst_pages, "dst_pages")
         if src.size != dst.size:
@@ -246,6 +258,7 @@ class KVTransferBackend(abc.ABC):
         check_pages(src, self.layout.num_pages, "src_pages", unique=False)
         check_pages(dst, info.layout.num_pages, "dst_pages", unique=True)
         handle = self._new_handle("write", peer, transfer_id, src.size)
+        handle.message = message
         self._start(handle, lambda: self._start_write(handle, info, src, dst))
         return handle
 

@@ -6,9 +6,9 @@ ProcessGroupNCCL over a store prefix naming both instances and a generation. NCC
 creates the communicator at the pair's first transfer (≈0.5 s, both sides blocking in it).
 
     writer                                               receiver
-    write(peer, src, dst, id)                            expect(peer, dst, id)
+    write(peer, src, dst, id, message)                   expect(peer, dst, id)
       runs = page_runs(src, dst)                           poll: pop headers in order
-      header {id, dst runs} ──▶ store queue ────────────▶ match id → post the recvs
+      header {id, dst runs, message} ─▶ store queue ──────▶ match id → post the recvs
       one coalesced group: send buffer[b][src run]          one coalesced group: recv into
       for every buffer b and run ───────── NCCL ──────────▶ buffer[b][dst run]
       poll: work.is_completed()                            poll: work.is_completed()
@@ -22,6 +22,7 @@ again (same PeerInfo), which builds the next generation of the pair.
 """
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
@@ -234,7 +235,7 @@ class NcclBackend(KVTransferBackend):
             return
         runs = page_runs(src, dst)
         header = {"id": handle.transfer_id, "runs": [[r.dst_start, r.length] for r in runs],
-                  "buffers": handle.buffer_ids.tolist()}
+                  "buffers": handle.buffer_ids.tolist(), "message": base64.b64encode(handle.message).decode()}
         tensors = self._views([(r.src_start, r.length) for r in runs], handle.buffer_ids)
         try:
             pair.store.queue_push(f"hdr/{self.agent_name}", json.dumps(header))
@@ -301,6 +302,7 @@ class NcclBackend(KVTransferBackend):
                 self._drain_to_scratch(pair, runs, buffer_ids)
                 continue
             handle.state.work = self._post(pair, self._views(runs.tolist(), buffer_ids), send=False)
+            handle.message = base64.b64decode(header.get("message", ""))  # read by the caller once DONE
 
     def _drain_to_scratch(self, pair: _Pair, runs: np.ndarray, buffer_ids: np.ndarray) -> None:
         """Receive a transfer nobody wants into temporary memory, keeping the NCCL order intact."""

@@ -9,7 +9,7 @@ bandwidth is the same either way (2× H200, one 64 MiB run: 43% vs 38–53% of t
     writer (prefill)                                   receiver (decode)
     write(peer, src, dst, id) ── UCX WRITE ──────────▶ buffers[b][dst pages]
         poll: check_xfer_state                         expect(peer, dst, id)
-              └── notification "kv|<id>|<crc>" ───────▶ poll: DONE once it arrives
+              └── notification "kv|" <header size> "<id>|<crc>" <message> ──▶ poll: DONE once it arrives
                                                         (and its crc of dst pages and
                                                         buffer ids matches)
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import struct
 import time
 import uuid
 from dataclasses import dataclass
@@ -115,8 +116,8 @@ class NixlBackend(KVTransferBackend):
         self._init_agent(num_threads, capture_telemetry)
         self._instance = uuid.uuid4().hex
         self._info: PeerInfo | None = None
-        self._arrived: dict[tuple[str, str], tuple[int, float]] = {}
-        """(peer, transfer_id) → (digest, arrival time) of notifications not yet matched."""
+        self._arrived: dict[tuple[str, str], tuple[int, float, bytes]] = {}
+        """(peer, transfer_id) → (digest, arrival time, message) of notifications not yet matched."""
         self._abandoned: dict[tuple[str, str], float] = {}
         """(peer, transfer_id) of expects released before their notification came."""
         self._pruned = time.monotonic()
@@ -167,7 +168,8 @@ class NixlBackend(KVTransferBackend):
 
     # ---- transfers
     def _start_write(self, handle: TransferHandle, peer: PeerInfo, src: np.ndarray, dst: np.ndarray) -> None:
-        notif = _NOTIF_PREFIX + f"{handle.transfer_id}|{transfer_digest(dst, handle.buffer_ids)}".encode()
+        header = f"{handle.transfer_id}|{transfer_digest(dst, handle.buffer_ids)}".encode()
+        notif = _NOTIF_PREFIX + struct.pack("<I", len(header)) + header + handle.message
         runs = page_runs(src, dst)
         src_starts, dst_starts, lengths = (np.array([getattr(r, f) for r in runs], dtype=np.int64)
                                            for f in ("src_start", "dst_start", "length"))
@@ -229,10 +231,11 @@ class NixlBackend(KVTransferBackend):
         arrived = self._arrived.pop((handle.peer, handle.transfer_id), None)
         if arrived is None:
             return TransferStatus.PENDING
-        if arrived[0] != handle.state.digest:
+        digest, _, message = arrived
+        if digest != handle.state.digest:
             handle.error = "the writer's dst pages or buffers differ from the expected ones (digest mismatch)"
             return TransferStatus.FAILED
-        handle.state.done = True
+        handle.state.done, handle.message = True, message
         return TransferStatus.DONE
 
     def regions(self, handle: TransferHandle) -> int:
@@ -249,10 +252,12 @@ class NixlBackend(KVTransferBackend):
             for msg in messages:
                 if not msg.startswith(_NOTIF_PREFIX):
                     continue
-                transfer_id, _, digest = msg[len(_NOTIF_PREFIX):].decode().rpartition("|")
+                at = len(_NOTIF_PREFIX) + 4
+                (size,) = struct.unpack("<I", msg[at - 4:at])
+                transfer_id, _, digest = msg[at:at + size].decode().rpartition("|")
                 key = (peer, transfer_id)
                 if self._abandoned.pop(key, None) is None:
-                    self._arrived[key] = (int(digest), now)
+                    self._arrived[key] = (int(digest), now, msg[at + size:])
         if now - self._pruned > _STALE_NOTIF_S / 10:
             self._pruned = now
             self._arrived = {k: v for k, v in self._arrived.items() if now - v[1] < _STALE_NOTIF_S}
