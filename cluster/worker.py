@@ -14,23 +14,11 @@ its `finally` cancels the pump, whose engine stream aborts the request and frees
 import asyncio
 import collections
 import contextlib
-import os
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Dict, List, Optional
 
 from ray import serve
-
-
-GIL_SWITCH_INTERVAL_S = float(os.environ.get("RADIXSERVE_GIL_SWITCH_INTERVAL_S", "0.0005"))
-"""Python's thread switch interval in worker replicas (the interpreter's default is 5 ms). A replica
-runs the engine loop in a thread beside the asyncio loop that serves calls, and every hand-over
-between them (a request into the engine; a token, a reserved page list or a handoff back) waits
-until the thread holding the GIL lets go — when the engine thread is planning its next step, up to
-the switch interval. Those waits sit on the request's critical path (a disaggregated request crosses
-threads four times before its first token). A shorter interval bounds them; the GIL's own cost of
-switching more often is small beside a model step."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +48,6 @@ class Worker:
     def __init__(self, model: Optional[str], engine_options: Dict[str, Any]):
         from engine import Engine  # heavy: torch, transformers
 
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.engine = Engine(model, enable_cache_events=True, **engine_options)
         self._served: collections.deque = collections.deque(maxlen=4096)
