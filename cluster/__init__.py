@@ -10,9 +10,10 @@ Data flow (unified mode) and who owns each stage:
         │                                              policies.py, tree.py)
         │ Worker.generate, pinned to worker_id ─▶ Worker (worker.py): engine.Engine
         │      ◀── one message per engine step         (PinnedRequestRouter, pinning.py, obeys
-        │          (all new tokens of that step)        session_id = replica unique_id)
+        │          (all new token ids of that step)     session_id = replica unique_id)
+        │ detokenize + stop strings (text.py); a stop ends the stream (the worker aborts it)
         │ Router.finish(worker_id) when the stream ends or is cancelled
-        ▼ detokenized text → JSON / SSE
+        ▼ text → JSON / SSE
     RouterDeployment control loop (every report_interval_s):
         membership ◀── membership.py (the worker replica set Serve's controller broadcasts to the
                        router's handle); dead replicas are purged from the trees

@@ -56,8 +56,9 @@ class PoolAutoscaling(BaseModel):
             raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
         return self
 
-_NOT_EXPOSED = {"model", "enable_cache_events", "skip_tokenizer_init"}
-"""EngineConfig fields set by the cluster itself (workers detokenize, so they keep a tokenizer)."""
+_NOT_EXPOSED = {"model", "enable_cache_events", "skip_tokenizer_init", "detokenize"}
+"""EngineConfig fields set by the cluster itself: workers stream token ids (detokenize=False; the ingress
+makes the text) and keep their tokenizer for structured output."""
 
 
 class _ClusterFields(BaseModel):

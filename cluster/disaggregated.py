@@ -37,6 +37,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
 from cluster.ingress import ClusterBackend, _unwrap
 from cluster.kv_transfer import MAX_MESSAGE_BYTES, PeerInfo, kv_pool_buffers, make_backend
 from cluster.latency import RequestClock
+from cluster.text import OutputText
 from cluster.worker import Worker
 
 logger = logging.getLogger("ray.serve")
@@ -298,16 +299,18 @@ class DisaggregatedBackend(ClusterBackend):
         for attempt in range(1, MAX_ATTEMPTS + 1):
             pair = await self._ask_router(self.router.route_pair.remote(input_ids, rid))
             streamed = False
-            clock = RequestClock()
+            clock, text = RequestClock(), OutputText(self.tokenizer, input_ids, params)
             gen = self.workers.options(stream=True, session_id=pair.decode.worker_id).generate_disaggregated.remote(
                 input_ids, params, rid, pair.prefill.worker_id)
             self._active[rid] = gen
             try:
                 async for chunk in gen:
                     clock.on_chunk(chunk)
-                    for out in chunk:
+                    for out in self._with_text(text, chunk, pair.decode.worker_id, rid, params.n):
                         streamed = True
                         yield out
+                    if text.finished:
+                        return  # stopped here: closing the stream aborts it on the decode replica
                 return
             except (RayTaskError, ActorDiedError, ActorUnavailableError) as exc:
                 cause = _unwrap(exc)

@@ -4,7 +4,8 @@
          ─▶ ClusterBackend.generate_stream(input_ids, params, rid)
               1. Router.route(input_ids, rid) ─▶ RoutingDecision (one small RPC)
               2. Worker.generate, pinned to decision.worker_id (session_id + PinnedRequestRouter),
-                 streamed: one Ray message per engine step, unpacked into StreamOutputs
+                 streamed: one Ray message per engine step of token ids, unpacked into StreamOutputs
+                 and detokenized here, stop strings included (cluster/text.py)
               3. Router.finish(worker_id) when the stream ends, fails or is cancelled
     GET /router/stats ─▶ Router.stats() (+ this replica's route-RPC latency)
     GET /metrics      ─▶ serving metrics of this replica + per-worker gauges labelled by replica
@@ -24,6 +25,7 @@ from ray.exceptions import RayTaskError
 
 from cluster.latency import IngressLatency, RequestClock
 from cluster.router.policies import NoWorkersError
+from cluster.text import OutputText
 from serving.backend import ServingBackend
 from serving.errors import APIError
 
@@ -71,12 +73,14 @@ class ClusterBackend(ServingBackend):
         gen = self.workers.options(stream=True, session_id=decision.worker_id).generate.remote(
             input_ids, params, rid)
         self._active[rid] = gen
-        clock = RequestClock()
+        clock, text = RequestClock(), OutputText(self.tokenizer, input_ids, params)
         try:
             async for chunk in gen:
                 clock.on_chunk(chunk)
-                for out in chunk:
+                for out in self._with_text(text, chunk, decision.worker_id, rid, params.n):
                     yield out
+                if text.finished:
+                    return  # the last choice stopped here: closing the stream aborts it on the worker
         except RayTaskError as exc:
             raise _unwrap(exc) from None
         finally:
@@ -84,6 +88,24 @@ class ClusterBackend(ServingBackend):
                 gen.cancel()
             self.latency.on_request(clock)
             self._finish(decision.worker_id, timing=clock.timing())
+
+    def _with_text(self, text: OutputText, chunk: List[Any], worker_id: str, rid: str, n: int) -> List[Any]:
+        """The worker's outputs with their text (OutputText); a choice of several that a stop string ended
+        here is aborted on the worker (a lone choice ends with the stream)."""
+        outs = []
+        for raw in chunk:
+            out = text.apply(raw)
+            if out is None:
+                continue
+            outs.append(out)
+            if n > 1 and text.stopped_here(out) and not text.finished:
+                self._abort_choice(worker_id, f"{rid}#{out.index}")
+        return outs
+
+    def _abort_choice(self, worker_id: str, engine_rid: str) -> None:
+        task = asyncio.ensure_future(self.workers.options(session_id=worker_id).abort.remote(engine_rid))
+        self._finishing.add(task)
+        task.add_done_callback(self._finishing.discard)
 
     def _finish(self, worker_id: str, timing: Any = None) -> None:
         task = asyncio.ensure_future(self.router.finish.remote(worker_id, timing=timing))

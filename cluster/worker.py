@@ -2,6 +2,8 @@
 
     ingress ──generate(input_ids, params, rid), pinned by session_id──▶ Worker.generate
         ◀── List[StreamOutput] per message: everything the engine produced since the last one
+            (token ids, logprobs, finish; no text: the ingress detokenizes and checks stop strings,
+            and aborts a choice it stopped with abort(rid))
     router  ──report() every report_interval_s, pinned──▶ WorkerReport (load + drained cache events)
 
 Coalescing: a pump task moves the engine's StreamOutputs into a queue; each yielded message
@@ -49,7 +51,8 @@ class Worker:
         from engine import Engine  # heavy: torch, transformers
 
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.engine = Engine(model, enable_cache_events=True, **engine_options)
+        # Token ids only: the ingress makes the text and checks stop strings (DESIGN §1).
+        self.engine = Engine(model, enable_cache_events=True, detokenize=False, **engine_options)
         self._served: collections.deque = collections.deque(maxlen=4096)
         """rids of recent generate calls (the pinning proof reads them)."""
         self._first_output = {"first_output_s": 0.0, "first_output_requests": 0}
@@ -117,6 +120,10 @@ class Worker:
     def _extra_stats(self) -> Dict[str, float]:
         """Counters of this replica beside the engine's (reported with them)."""
         return dict(self._first_output)
+
+    def abort(self, rid: str) -> None:
+        """Abort request (or choice: "<rid>#<i>") `rid` here; a no-op when it is gone."""
+        self.engine.abort(rid)
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(self.replica_id, self.engine.context_len, self.engine.runner.vocab_size)

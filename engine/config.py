@@ -44,6 +44,7 @@ class EngineConfig:
     cuda_graph_max_bs: Optional[int] = field(default=None, metadata={"help": "Largest decode batch captured as a CUDA graph (graphs at powers of two up to it; larger batches run eagerly). Default: max_running_requests, at most 256."})
     tokenizer: Optional[str] = field(default=None, metadata={"help": "Tokenizer source (HF folder or .gguf file) when it is not the model's own, e.g. for dummy weights of an architecture config; default: the model's."})
     skip_tokenizer_init: bool = field(default=False, metadata={"help": "No tokenizer: prompts must be token ids and outputs carry no text (benchmarks on dummy weights)."})
+    detokenize: bool = field(default=True, metadata={"help": "Make the outputs' text and check stop strings here. False: outputs carry token ids only (text \"\") and stop strings are the caller's to check, with engine.tokenizer.TextStream, aborting the request at a match — the cluster's workers run so, their ingress makes the text."})
     enable_cache_events: bool = field(default=False, metadata={"help": "Record radix-cache insert/evict events for a router (drain them with Engine.drain_cache_events)."})
     random_seed: int = field(default=0, metadata={"help": "Seed for dummy weights and unseeded sampling."})
     new_token_ratio: float = field(default=0.4, metadata={"help": "Share of max_new_tokens reserved when admitting a request."})

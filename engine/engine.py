@@ -32,7 +32,7 @@ from engine.runner.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler.handoff import KVReservation, PrefillHandoff
 from engine.scheduler.scheduler import Scheduler
-from engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
+from engine.tokenizer import TextStream, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -339,9 +339,8 @@ class Engine:
                 rid=rid if params.n == 1 else f"{rid}#{i}", input_ids=ids, params=params, seed=base_seed + i,
                 eos_token_ids=self.eos_token_ids,
                 on_output=on_output if on_output is not None else _Accumulator(i),
-                detokenizer=None if self.tokenizer is None else
-                IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
-                stop_matcher=StopStringMatcher(params.stop) if params.stop else None,
+                text=TextStream(self.tokenizer, ids, params.skip_special_tokens, params.stop)
+                if self.tokenizer is not None and self.config.detokenize else None,
                 wait_for=reqs[0] if i and not self.config.disable_radix_cache else None,
                 grammar=GrammarState(compiled) if compiled is not None else None, handoff=handoff))
         return reqs

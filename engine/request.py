@@ -62,8 +62,8 @@ class ReqOutput:
 
 class Req:
     def __init__(self, rid: str, input_ids: List[int], params: SamplingParams, seed: int,
-                 eos_token_ids: frozenset, on_output: Callable[[ReqOutput], None], detokenizer=None,
-                 stop_matcher=None, wait_for: Optional["Req"] = None, grammar=None, handoff: Optional[str] = None):
+                 eos_token_ids: frozenset, on_output: Callable[[ReqOutput], None], text=None,
+                 wait_for: Optional["Req"] = None, grammar=None, handoff: Optional[str] = None):
         self.rid = rid
         self.origin_input_ids = list(input_ids)
         self.output_ids: List[int] = []
@@ -72,8 +72,9 @@ class Req:
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self.stop_token_ids = frozenset(params.stop_token_ids)
         self.on_output = on_output
-        self.detokenizer = detokenizer
-        self.stop_matcher = stop_matcher
+        self.text = text
+        """engine.tokenizer.TextStream making the output's text and checking stop strings, or None
+        (no tokenizer, or detokenize=False: the caller makes the text)."""
         self.wait_for = wait_for
         """Another request (the first of an n>1 group) whose prompt must be cached before this one is scheduled."""
         self.grammar = grammar
@@ -127,7 +128,7 @@ class Req:
         return self.kv_len >= len(self.origin_input_ids) or bool(self.output_ids)
 
     def check_finished(self, context_len: int) -> None:
-        """Set finish_reason after a new output token (stop strings are checked by the detokenizer)."""
+        """Set finish_reason after a new output token (stop strings are checked by its TextStream)."""
         if self.finished:
             return
         last = self.output_ids[-1]

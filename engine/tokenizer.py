@@ -4,6 +4,7 @@ Data flow (DESIGN §1: tokenize once, at the ingress):
 
     messages ──Tokenizer.apply_chat_template──▶ prompt ids ──▶ router / workers (ids only)
     output ids (streamed) ──IncrementalDetokenizer.step──▶ text deltas ──StopStringMatcher.feed──▶ client
+                          (TextStream: both, per output; in the engine, or at the cluster's ingress)
 
 The tokenizer and chat template come from `transformers` (a Hugging Face folder, or the
 tokenizer embedded in a GGUF file); nothing here re-implements either.
@@ -264,3 +265,38 @@ class StopStringMatcher:
         """Release held text at the end of generation (no stop string can complete any more)."""
         held, self._held = self._held, ""
         return held
+
+
+class TextStream:
+    """One output's token ids → the text a client sees, stopping at stop strings.
+
+    The engine's OutputProcessor and the cluster's ingress (which detokenizes for its workers)
+    both make text with this, so the text, the stop point and the token count at a stop are the
+    same wherever it is made.
+
+    Contract:
+    - `feed(token)` returns (text that can be emitted now, the stop string that matched or None).
+      A match ends the output at this token: the stop string and everything after it is never
+      emitted, and later feeds return ("", the same stop string).
+    - `finish()` returns the text held back (an incomplete character, a possible stop-string
+      prefix) when the output ends for another reason (EOS, stop token, length, abort).
+    """
+
+    def __init__(self, tokenizer: "Tokenizer", prompt_ids: Optional[Sequence[int]] = None,
+                 skip_special_tokens: bool = True, stop: Sequence[str] = ()):
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
+        self.stop_matcher = StopStringMatcher(stop) if stop else None
+
+    def feed(self, token: int) -> tuple[str, Optional[str]]:
+        delta = self.detokenizer.step([token])
+        if self.stop_matcher is None:
+            return delta, None
+        emit, stopped, matched = self.stop_matcher.feed(delta)
+        return emit, (matched if stopped else None)
+
+    def finish(self) -> str:
+        tail = self.detokenizer.flush()
+        if self.stop_matcher is None:
+            return tail
+        emit, _, _ = self.stop_matcher.feed(tail)
+        return emit + self.stop_matcher.flush()

@@ -96,6 +96,30 @@ def test_greedy_output_equals_engine(http, default_engine):
         assert r.json()["text"] == want.text
 
 
+def test_stop_strings_at_the_ingress_equal_engine(http, default_engine):
+    """Workers stream token ids; the ingress makes the text and stops: text, finish reason, matched stop and
+    completion_tokens equal one engine's (which stops itself), and a stopped choice is aborted on its worker
+    while another choice of the request goes on."""
+    ids = default_engine.tokenizer.encode("Write a short story about a lighthouse keeper.")
+    sampled = {"temperature": 0.9, "seed": 11, "max_new_tokens": 40}
+    first, second = default_engine.generate(ids, dict(sampled, n=2))
+    stop = first.text[len(first.text) // 2:][:3]  # occurs in choice 0's text, mid-way
+    assert stop.strip() and stop in first.text
+    for n in (1, 2):
+        want = default_engine.generate(ids, dict(sampled, n=n, stop=[stop]))
+        want = want if n > 1 else [want]
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": ids, "n": n, "temperature": 0.9, "seed": 11,
+                                               "max_tokens": 40, "stop": [stop]})
+        assert r.status_code == 200, r.text
+        got = sorted(r.json()["choices"], key=lambda c: c["index"])
+        assert [c["text"] for c in got] == [w.text for w in want]
+        assert [c["finish_reason"] for c in got] == [w.finish_reason for w in want]
+        assert want[0].finish_reason == "stop" and want[0].matched_stop == stop
+        assert r.json()["usage"]["completion_tokens"] == sum(w.completion_tokens for w in want)
+    _wait(lambda: all(w["engine"].get("running", 1) == 0 and w["engine"].get("waiting", 1) == 0
+                      for w in _stats(http)["workers"].values()), 20, "stopped choices aborted on the workers")
+
+
 def test_every_request_runs_on_the_routed_worker(cluster):
     """Pinning proof: for many concurrent requests (and one batched request, whose prompts are
     routed concurrently from one HTTP request), the worker that served each rid is the one the
@@ -150,13 +174,19 @@ def test_client_disconnect_aborts_on_the_worker(cluster, http):
                 if i >= 6:
                     break
 
+    seen = []
+
     def aborted_and_idle():
         # Worker stats reach the router with its next poll: wait for a report taken after the abort.
         ws = _stats(http)["workers"].values()
+        seen[:] = [(w["in_flight"], w["engine"].get("running"), w["engine"].get("aborted")) for w in ws]
         idle = all(w["in_flight"] == 0 and w["engine"].get("running", 1) == 0 for w in ws)
         return idle and sum(w["engine"].get("aborted", 0) for w in ws) >= 1
 
-    _wait(aborted_and_idle, 30, "the aborted request to be counted and to leave the worker and the router")
+    try:
+        _wait(aborted_and_idle, 30, "the aborted request to be counted and to leave the worker and the router")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; last (in_flight, running, aborted) per worker: {seen}") from None
 
 
 def test_dead_worker_is_purged_and_replaced(http):

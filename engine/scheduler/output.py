@@ -3,11 +3,10 @@
 Per step and per request it appends the sampled token (and its logprobs),
 advances the request's grammar (a completed grammar finishes it with "stop",
 its stop token counted like EOS), checks EOS / stop token ids /
-max_new_tokens / context length, turns tokens
-into text incrementally (when the request has a detokenizer), checks stop
-strings, and at the end of the step calls each request's `on_output` once with
-everything new: tokens are coalesced per step, never one callback per token
-of a batch.
+max_new_tokens / context length, turns tokens into text and checks stop
+strings (the request's TextStream, when it has one), and at the end of the
+step calls each request's `on_output` once with everything new: tokens are
+coalesced per step, never one callback per token of a batch.
 """
 from __future__ import annotations
 
@@ -42,8 +41,11 @@ class OutputProcessor:
         if req.grammar is not None:
             self._advance_grammar(req, token)
         req.check_finished(self.context_len)
-        if req.detokenizer is not None:
-            self._append_text(req, req.detokenizer.step([token]))
+        if req.text is not None:
+            emit, matched = req.text.feed(token)
+            req.pending_text += emit
+            if matched is not None and req.finish_reason is not FinishReason.ABORT:
+                req.finish_reason, req.matched_stop = FinishReason.STOP, matched
 
     @staticmethod
     def _advance_grammar(req: Req, token: int) -> None:
@@ -54,15 +56,6 @@ class OutputProcessor:
             req.finish_reason = FinishReason.ABORT
         elif req.grammar.is_terminated():
             req.finish_reason, req.matched_stop = FinishReason.STOP, token
-
-    def _append_text(self, req: Req, delta: str) -> None:
-        if req.stop_matcher is None:
-            req.pending_text += delta
-            return
-        emit, stopped, matched = req.stop_matcher.feed(delta)
-        req.pending_text += emit
-        if stopped and (req.finish_reason is None or req.finish_reason is not FinishReason.ABORT):
-            req.finish_reason, req.matched_stop = FinishReason.STOP, matched
 
     def finish(self, req: Req, reason: FinishReason) -> None:
         """End `req` now (abort, or it outgrew the KV pool) and tell its caller."""
@@ -76,8 +69,8 @@ class OutputProcessor:
             new_ids = req.output_ids[req.num_emitted:]
             if not new_ids and not req.finished:
                 continue
-            if req.finished and req.detokenizer is not None and not isinstance(req.matched_stop, str):
-                self._flush_held_text(req)
+            if req.finished and req.text is not None and not isinstance(req.matched_stop, str):
+                req.pending_text += req.text.finish()  # held-back text is released at the end
             out = ReqOutput(
                 rid=req.rid, new_token_ids=new_ids, text_delta=req.pending_text, logprobs=req.pending_logprobs,
                 finish_reason=req.finish_reason, matched_stop=req.matched_stop,
@@ -91,13 +84,3 @@ class OutputProcessor:
                 req.on_output(out)
             except Exception:  # noqa: BLE001 - a caller's callback must not stop the engine
                 logger.exception("request %s: on_output callback failed", req.rid)
-
-    @staticmethod
-    def _flush_held_text(req: Req) -> None:
-        """At the end, text held back (incomplete UTF-8, a possible stop-string prefix) is released."""
-        tail = req.detokenizer.flush()
-        if req.stop_matcher is not None:
-            emit, _, _ = req.stop_matcher.feed(tail)
-            req.pending_text += emit + req.stop_matcher.flush()
-        else:
-            req.pending_text += tail
