@@ -34,7 +34,7 @@ from typing import Any, AsyncIterator, Dict, List, Optional
 import numpy as np
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
 
-from cluster.ingress import ClusterBackend, _unwrap
+from cluster.ingress import STREAM_OPTIONS, ClusterBackend, _unwrap
 from cluster.kv_transfer import MAX_MESSAGE_BYTES, PeerInfo, kv_pool_buffers, make_backend
 from cluster.latency import RequestClock
 from cluster.text import OutputText
@@ -300,7 +300,7 @@ class DisaggregatedBackend(ClusterBackend):
             pair = await self._ask_router(self.router.route_pair.remote(input_ids, rid))
             streamed = False
             clock, text = RequestClock(), OutputText(self.tokenizer, input_ids, params)
-            gen = self.workers.options(stream=True, session_id=pair.decode.worker_id).generate_disaggregated.remote(
+            gen = self.workers.options(session_id=pair.decode.worker_id, **STREAM_OPTIONS).generate_disaggregated.remote(
                 input_ids, params, rid, pair.prefill.worker_id)
             self._active[rid] = gen
             try:
