@@ -242,7 +242,8 @@ def main() -> None:
     import ray
     from ray import serve
 
-    radixserve_env = {k: v for k, v in os.environ.items() if k.startswith("RADIXSERVE_")}  # reach the replicas
+    os.environ.setdefault("RAY_SERVE_USE_GRPC_BY_DEFAULT", "1")  # as deploy/serve.sh and the image run it
+    radixserve_env = {k: v for k, v in os.environ.items() if k.startswith(("RADIXSERVE_", "RAY_SERVE_"))}
     ray.init(num_cpus=args.ray_cpus, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
                                        "TRANSFORMERS_OFFLINE": "1", **radixserve_env}})

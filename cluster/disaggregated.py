@@ -300,8 +300,8 @@ class DisaggregatedBackend(ClusterBackend):
             pair = await self._ask_router(self.router.route_pair.remote(input_ids, rid))
             streamed = False
             clock, text = RequestClock(), OutputText(self.tokenizer, input_ids, params)
-            gen = self.workers.options(session_id=pair.decode.worker_id, **STREAM_OPTIONS).generate_disaggregated.remote(
-                input_ids, params, rid, pair.prefill.worker_id)
+            decode = self.workers.options(session_id=pair.decode.worker_id, **STREAM_OPTIONS)
+            gen = decode.generate_disaggregated.remote(input_ids, params, rid, pair.prefill.worker_id)
             self._active[rid] = gen
             try:
                 async for chunk in gen:
