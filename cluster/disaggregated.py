@@ -9,10 +9,12 @@ One request (DESIGN §1):
            expect(prefill peer, dst pages, transfer id)                       (cluster.kv_transfer)
            PrefillWorker.prefill(input_ids, params + seed, rid, TransferTarget), pinned:
                engine computes the prompt (own radix cache), samples the first token, holds the KV
-               write(src pages of [prefix_len, prompt_len) ─▶ dst pages); wait; release the hold
-               ◀── PrefillHandoff (first token, logprobs)
-           wait for the transfer's arrival; the engine appends the first token and decodes
-         ◀── coalesced StreamOutputs
+               write(src pages of [prefix_len, prompt_len) ─▶ dst pages, message = the PrefillHandoff
+               (first token, logprobs)); wait; release the hold; return it (and its timings)
+           the transfer arrives with the handoff (usually before the call returns: go on then; a
+           handoff too large for a message comes with the call's result); the engine appends the
+           first token and decodes
+         ◀── coalesced StreamOutputs of token ids; the ingress makes the text (cluster/text.py)
       3. Router.finish for both replicas
 
 Failures: every wait is bounded (kv_transfer_timeout_s, the prefill call's own bound). Whatever
