@@ -117,7 +117,8 @@ def test_stop_strings_at_the_ingress_equal_engine(http, default_engine):
         assert want[0].finish_reason == "stop" and want[0].matched_stop == stop
         assert r.json()["usage"]["completion_tokens"] == sum(w.completion_tokens for w in want)
     _wait(lambda: all(w["engine"].get("running", 1) == 0 and w["engine"].get("waiting", 1) == 0
-                      for w in _stats(http)["workers"].values()), 20, "stopped choices aborted on the workers")
+                      and w["in_flight"] == 0 for w in _stats(http)["workers"].values()), 20,
+          "stopped choices aborted on the workers and finished at the router")
 
 
 def test_every_request_runs_on_the_routed_worker(cluster):
