@@ -324,10 +324,12 @@ class DisaggregatedBackend(ClusterBackend):
                 logger.warning("request %s: attempt %d failed before streaming (%r); retrying on a new pair",
                                rid, attempt, cause)
             finally:
-                if self._active.pop(rid, None) is not None:
-                    gen.cancel()
-                self.latency.on_request(clock)
-                self._finish_pair(pair, clock)
+                try:
+                    if self._active.pop(rid, None) is not None:
+                        gen.cancel()
+                finally:  # as in ClusterBackend.generate_stream
+                    self.latency.on_request(clock)
+                    self._finish_pair(pair, clock)
 
     async def _report_failure(self, pair: Any, cause: BaseException) -> None:
         """Tell the router which replica is gone so that the next pair avoids it."""

@@ -93,10 +93,12 @@ class ClusterBackend(ServingBackend):
         except RayTaskError as exc:
             raise _unwrap(exc) from None
         finally:
-            if self._active.pop(rid, None) is not None:
-                gen.cancel()
-            self.latency.on_request(clock)
-            self._finish(decision.worker_id, timing=clock.timing())
+            try:
+                if self._active.pop(rid, None) is not None:
+                    gen.cancel()
+            finally:  # the router hears of the end even if cancelling raised (serving's close swallows it)
+                self.latency.on_request(clock)
+                self._finish(decision.worker_id, timing=clock.timing())
 
     def _with_text(self, text: OutputText, chunk: List[Any], worker_id: str, rid: str, n: int) -> List[Any]:
         """The worker's outputs with their text (OutputText); a choice of several that a stop string ended
