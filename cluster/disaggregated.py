@@ -347,7 +347,5 @@ class DisaggregatedBackend(ClusterBackend):
     def _finish_pair(self, pair: Any, clock: RequestClock) -> None:
         timing = clock.timing()  # TTFT concerns the prefill pool, ITL the decode pool: both get both
         for worker_id, pool in ((pair.prefill.worker_id, "prefill"), (pair.decode.worker_id, "decode")):
-            task = asyncio.ensure_future(self.router.finish.remote(worker_id, pool=pool, timing=timing))
-            self._finishing.add(task)
-            task.add_done_callback(self._finishing.discard)
+            self._send(self.router.finish.remote(worker_id, pool=pool, timing=timing))
 

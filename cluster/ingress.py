@@ -54,7 +54,8 @@ class ClusterBackend(ServingBackend):
         self.router, self.workers = router, workers
         self.tokenizer, self.context_len, self._vocab_size = tokenizer, context_len, vocab_size
         self._active: Dict[str, Any] = {}
-        self._finishing: set = set()
+        self._sent: set = set()
+        """Calls in flight that nobody awaits (router.finish, a choice's abort)."""
         self.latency = IngressLatency()
         """This replica's routing-call and call → first message times (GET /router/stats, "ingress")."""
         self.last_stats: Optional[Any] = None
@@ -114,14 +115,16 @@ class ClusterBackend(ServingBackend):
         return outs
 
     def _abort_choice(self, worker_id: str, engine_rid: str) -> None:
-        task = asyncio.ensure_future(self.workers.options(session_id=worker_id).abort.remote(engine_rid))
-        self._finishing.add(task)
-        task.add_done_callback(self._finishing.discard)
+        self._send(self.workers.options(session_id=worker_id).abort.remote(engine_rid))
 
     def _finish(self, worker_id: str, timing: Any = None) -> None:
-        task = asyncio.ensure_future(self.router.finish.remote(worker_id, timing=timing))
-        self._finishing.add(task)
-        task.add_done_callback(self._finishing.discard)
+        self._send(self.router.finish.remote(worker_id, timing=timing))
+
+    def _send(self, call: Any) -> None:
+        """Let a call run without awaiting its answer (referenced until it completes)."""
+        task = asyncio.ensure_future(call)
+        self._sent.add(task)
+        task.add_done_callback(self._sent.discard)
 
     def abort(self, rid: str) -> None:
         gen = self._active.pop(rid, None)
