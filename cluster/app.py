@@ -14,6 +14,7 @@ Deployments (one application):
 
     mode=disaggregated                                      (cluster/disaggregated.py)
     Ingress ─▶ Router.route_pair ─▶ (prefill replica, decode replica)
+    Ingress ─▶ Prefill.start_prefill (early_prefill: the prompt starts computing at once)
     Ingress ─▶ Decode (decode_workers) ─▶ Prefill (prefill_workers): KV pages written into the
                decode replica's pool through cluster.kv_transfer (nixl | nccl), then decode streams
 
@@ -111,7 +112,8 @@ def deployment(args: ClusterArgs) -> Application:
         name="Ingress", num_replicas=args.ingress_replicas, max_ongoing_requests=args.ingress_max_ongoing_requests,
         ray_actor_options={"num_cpus": args.ingress_num_cpus},
     ).bind(router, worker, args.model, args.model_name(), args.api_key, args.max_body_bytes,
-           admin_api_key=args.admin_api_key, mode=args.mode, tokenizer_source=args.tokenizer)
+           admin_api_key=args.admin_api_key, mode=args.mode, tokenizer_source=args.tokenizer,
+           prefill=pools.get("prefill") if args.early_prefill else None)
     logger.info("radixserve: %s mode, pools %s of %s, policy %s, %.2g GPU(s) per worker", args.mode,
                 args.pool_sizes(), args.model_name(), args.policy, num_gpus)
     return ingress

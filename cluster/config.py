@@ -77,6 +77,9 @@ class _ClusterFields(BaseModel):
                                         "decode replicas: nixl (UCX; GPU or host memory) or nccl (GPUs only).")
     kv_transfer_timeout_s: float = Field(30.0, gt=0.0, description="disaggregated: a KV handoff not done in "
                                          "this time fails; pages are freed on both sides.")
+    early_prefill: bool = Field(True, description="disaggregated: the ingress starts each prompt on its prefill "
+                                "replica when the request arrives, while the decode replica reserves pages for "
+                                "it; off: the decode replica starts it once its pages are reserved.")
     autoscaling: Optional[PoolAutoscaling] = Field(None, description="Autoscaling of the unified pool (JSON "
                                                    "object on the command line); off when unset.")
     prefill_autoscaling: Optional[PoolAutoscaling] = Field(None, description="Autoscaling of the prefill pool; "
@@ -139,7 +142,7 @@ ENGINE_OPTIONS = tuple(_engine_fields())
 
 _UNIFIED_ONLY = ("workers", "autoscaling")
 _DISAGGREGATED_ONLY = ("prefill_workers", "decode_workers", "kv_transfer", "kv_transfer_timeout_s",
-                       "prefill_autoscaling", "decode_autoscaling")
+                       "early_prefill", "prefill_autoscaling", "decode_autoscaling")
 
 
 KEY_ENV_VARS = {"api_key": "RADIXSERVE_API_KEY", "admin_api_key": "RADIXSERVE_ADMIN_KEY"}

@@ -4,18 +4,28 @@ One request (DESIGN §1):
 
     Ingress (DisaggregatedBackend)
       1. Router.route_pair(input_ids) ─▶ PairDecision(prefill replica, decode replica)
-      2. DecodeWorker.generate_disaggregated(input_ids, params, rid, prefill_id), streamed, pinned:
+      2. PrefillWorker.start_prefill(input_ids, params, rid, key), pinned, not awaited (early_prefill):
+           the engine starts computing the prompt now; the result waits on the replica under `key`
+      3. DecodeWorker.generate_disaggregated(input_ids, params, rid, prefill_id, key), streamed, pinned:
            engine reserves destination pages (after matching its own radix cache) ─▶ KVReservation
            expect(prefill peer, dst pages, transfer id)                       (cluster.kv_transfer)
            PrefillWorker.prefill(input_ids, params + seed, rid, TransferTarget), pinned:
-               engine computes the prompt (own radix cache), samples the first token, holds the KV
+               claims the prompt started under the target's key (else starts it now): the engine
+               computes the prompt (own radix cache), samples the first token, holds the KV
                write(src pages of [prefix_len, prompt_len) ─▶ dst pages, message = the PrefillHandoff
                (first token, logprobs)); wait; release the hold; return it (and its timings)
            the transfer arrives with the handoff (usually before the call returns: go on then; a
            handoff too large for a message comes with the call's result); the engine appends the
            first token and decodes
          ◀── coalesced StreamOutputs of token ids; the ingress makes the text (cluster/text.py)
-      3. Router.finish for both replicas
+      4. Router.finish for both replicas
+
+Why step 2: the decode replica's reservation and its call to the prefill replica take ~6 ms (2× H200)
+before the prompt starts; started by the ingress, the prompt computes meanwhile. The decode replica
+still owns the handoff (its prefill call claims the started prompt), so the failure handling below is
+unchanged. A started prompt nobody claims (the request ended first, or a retry moved it) is dropped:
+by the ingress's forget_prefill, else after kv_transfer_timeout_s. Both calls carry the same seed
+(the ingress draws one when the request has none), so the first token is sampled as in unified mode.
 
 Failures: every wait is bounded (kv_transfer_timeout_s, the prefill call's own bound). Whatever
 fails, each engine frees its own pages — the prefill side's hold is released in a `finally`, the
@@ -28,6 +38,7 @@ import asyncio
 import dataclasses
 import logging
 import pickle
+import random
 import time
 import uuid
 from dataclasses import dataclass
@@ -80,6 +91,8 @@ class TransferTarget:
     dst_pages: np.ndarray
     """(pages,) int64 decode-pool page ids of positions [prefix_len, prompt_len)."""
     transfer_id: str
+    early_key: str = ""
+    """The key under which the ingress started this prompt on the prefill replica ("" if it did not)."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +101,8 @@ class PrefillResult:
     handoff: Any
     """engine.scheduler.handoff.PrefillHandoff (first token, logprobs)."""
     compute_s: float
-    """Queueing and computing the prompt in the prefill engine."""
+    """Queueing and computing the prompt in the prefill engine, from the call's arrival (a prompt the
+    ingress started earlier counts only its part after that)."""
     transfer_s: float
     """Writing the KV into the decode replica's pages, until the writer's handle is done."""
     entered_at: float
@@ -142,6 +156,23 @@ class _KVEndpoint:
         return self.transfer.info()
 
 
+@dataclass
+class _StartedPrompt:
+    """A prompt the ingress started on a prefill replica ahead of the decode replica's call."""
+    task: "asyncio.Future"
+    """engine.prefill_for_handoff(...) → PrefillHandoff; cancelling it aborts the engine request."""
+    engine_rid: str
+    signature: tuple
+    """(input_ids, params) it was started with: a claim must match them."""
+    started: float
+    """time.monotonic() at start."""
+
+
+EARLY_COUNTERS = ("early_prefill_started", "early_prefill_claimed", "early_prefill_dropped")
+"""Prefill replicas' counters of prompts started by the ingress (started; claimed by a decode replica's
+prefill call; dropped unclaimed: forgotten by the ingress or expired)."""
+
+
 class PrefillWorker(_KVEndpoint, Worker):
     """A replica of the prefill pool: computes prompts and writes their KV into decode replicas."""
 
@@ -149,11 +180,77 @@ class PrefillWorker(_KVEndpoint, Worker):
                        transfer_timeout_s: float):
         Worker.__init__(self, model, engine_options)
         self._init_transfer("prefill", kv_transfer, transfer_timeout_s)
+        self._started: Dict[str, _StartedPrompt] = {}
+        """key → prompt started by the ingress, not yet claimed or dropped."""
+        self._ended: Dict[str, float] = {}
+        """keys claimed or dropped (a late start_prefill for one is ignored) → time.monotonic()."""
+        self._early = dict.fromkeys(EARLY_COUNTERS, 0)
+        self._sweeper: Optional["asyncio.Future"] = None
+
+    def _extra_stats(self) -> Dict[str, float]:
+        return {**super()._extra_stats(), **self._early, "early_prefill_held": len(self._started)}
+
+    async def start_prefill(self, input_ids: List[int], params: Any, rid: str, key: str, replica_id: str) -> None:
+        """Start computing a prompt that a decode replica's prefill call will claim under `key` (returns at
+        once). Ignored when meant for another replica, or when `key` was already claimed or dropped."""
+        if replica_id != self.replica_id or key in self._started or key in self._ended:
+            return
+        task = asyncio.ensure_future(self.engine.prefill_for_handoff(input_ids, params, rid=key))
+        task.add_done_callback(_retrieve)
+        self._started[key] = _StartedPrompt(task, key, (input_ids, params), time.monotonic())
+        self._early["early_prefill_started"] += 1
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.ensure_future(self._sweep_loop())
+
+    async def forget_prefill(self, key: str) -> None:
+        """The request of `key` ended without its prompt being claimed: drop it (no-op once claimed)."""
+        started = self._started.pop(key, None)
+        self._ended[key] = time.monotonic()
+        if started is not None:
+            self._drop(started)
+
+    def _claim(self, key: str, input_ids: List[int], params: Any) -> Optional[_StartedPrompt]:
+        """The started prompt of `key` for a prefill call, or None (none started; or it was started with
+        other inputs, then dropped)."""
+        if not key:
+            return None
+        started = self._started.pop(key, None)
+        self._ended[key] = time.monotonic()
+        if started is None:
+            return None
+        if started.signature != (input_ids, params):
+            logger.warning("prompt started under %s differs from its prefill call's: computed anew", key)
+            self._drop(started)
+            return None
+        self._early["early_prefill_claimed"] += 1
+        return started
+
+    def _drop(self, started: _StartedPrompt) -> None:
+        """Free an unclaimed started prompt's engine request (computing: aborted; done: its hold released)."""
+        self._early["early_prefill_dropped"] += 1
+        if not started.task.done():
+            started.task.cancel()
+        elif not started.task.cancelled() and started.task.exception() is None:
+            self.engine.release_handoff(started.engine_rid)
+
+    async def _sweep_loop(self) -> None:
+        """While started prompts wait: drop those unclaimed after transfer_timeout_s (their decode
+        replica's call is not coming), and forget ended keys after an hour."""
+        while self._started or self._ended:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for key in [k for k, s in self._started.items() if now - s.started > self.transfer_timeout_s]:
+                logger.warning("prompt started under %s was not claimed in %.0f s: dropped", key,
+                               self.transfer_timeout_s)
+                self._ended[key] = now
+                self._drop(self._started.pop(key))
+            self._ended = {k: t for k, t in self._ended.items() if now - t < 3600.0}
 
     async def prefill(self, input_ids: List[int], params: Any, rid: str, target: TransferTarget) -> Any:
-        """Compute the prompt, write the KV of [target.prefix_len, prompt_len) into target.dst_pages,
-        and return the engine's PrefillHandoff (first token and logprobs). The hold on this replica's
-        pages is released whatever happens."""
+        """Compute the prompt (or claim the one the ingress started under target.early_key), write the KV of
+        [target.prefix_len, prompt_len) into target.dst_pages, and return a PrefillResult with the engine's
+        PrefillHandoff (first token and logprobs). The hold on this replica's pages is released whatever
+        happens."""
         if target.replica_id != self.replica_id:
             raise WrongReplicaError(f"prefill for {rid} was meant for replica {target.replica_id}, "
                                     f"reached {self.replica_id}")
@@ -161,7 +258,13 @@ class PrefillWorker(_KVEndpoint, Worker):
         self._served.append(rid)
         self.transfer.connect(target.peer)
         start = time.perf_counter()
-        handoff = await self.engine.prefill_for_handoff(input_ids, params, rid=rid)
+        started = self._claim(target.early_key, input_ids, params)
+        if started is not None:
+            engine_rid = started.engine_rid
+            handoff = await started.task  # cancelling this call cancels the task: the engine aborts it
+        else:
+            engine_rid = f"{target.early_key}~" if target.early_key else rid  # never an unclaimed one's rid
+            handoff = await self.engine.prefill_for_handoff(input_ids, params, rid=engine_rid)
         computed = time.perf_counter()
         try:
             src = handoff.pages_from(target.prefix_len)
@@ -169,8 +272,14 @@ class PrefillWorker(_KVEndpoint, Worker):
                                          message=handoff_message(handoff))
             await self.transfer.wait(handle, self.transfer_timeout_s)
         finally:
-            self.engine.release_handoff(rid)
+            self.engine.release_handoff(engine_rid)
         return PrefillResult(handoff, computed - start, time.perf_counter() - computed, entered_at, time.time())
+
+
+def _retrieve(task: "asyncio.Future") -> None:
+    """Done callback: mark a task's exception as retrieved (its owner may never await it)."""
+    if not task.cancelled():
+        task.exception()
 
 
 class DecodeWorker(_KVEndpoint, Worker):
@@ -194,20 +303,22 @@ class DecodeWorker(_KVEndpoint, Worker):
         raise TypeError("decode replicas serve generate_disaggregated (mode=disaggregated)")
         yield  # pragma: no cover - makes this an async generator like Worker.generate
 
-    async def generate_disaggregated(self, input_ids: List[int], params: Any, rid: str,
-                                     prefill_id: str) -> AsyncIterator[List[Any]]:
-        """Stream the request like Worker.generate, its prompt computed by prefill replica `prefill_id`."""
+    async def generate_disaggregated(self, input_ids: List[int], params: Any, rid: str, prefill_id: str,
+                                     early_key: str = "") -> AsyncIterator[List[Any]]:
+        """Stream the request like Worker.generate, its prompt computed by prefill replica `prefill_id`
+        (started there by the ingress under `early_key`, if not "")."""
 
         arrived = time.perf_counter()
 
         async def remote_prefill(reservation):
             self._handoff["handoff_reserve_s"] += time.perf_counter() - arrived
-            return await self._remote_prefill(input_ids, params, rid, prefill_id, reservation)
+            return await self._remote_prefill(input_ids, params, rid, prefill_id, reservation, early_key)
 
         async for batch in self._stream(input_ids, params, rid, remote_prefill=remote_prefill):
             yield batch
 
-    async def _remote_prefill(self, input_ids, params, rid: str, prefill_id: str, reservation) -> Any:
+    async def _remote_prefill(self, input_ids, params, rid: str, prefill_id: str, reservation,
+                              early_key: str) -> Any:
         try:
             peer = await self._prefill_peer(prefill_id)
         except Exception as exc:  # noqa: BLE001 - becomes a retryable error
@@ -216,7 +327,7 @@ class DecodeWorker(_KVEndpoint, Worker):
         transfer_id = f"{rid}/{uuid.uuid4().hex[:8]}"
         handle = self.transfer.expect(peer.name, reservation.dst_pages, transfer_id)
         target = TransferTarget(prefill_id, self.transfer.info(), reservation.prefix_len,
-                                reservation.dst_pages, transfer_id)
+                                reservation.dst_pages, transfer_id, early_key)
         call = self.prefill_pool.options(session_id=prefill_id).prefill.remote(
             input_ids, dataclasses.replace(params, seed=reservation.seed), rid, target)
         result = asyncio.ensure_future(_awaited(call))
@@ -295,15 +406,23 @@ class DecodeWorker(_KVEndpoint, Worker):
 
 
 class DisaggregatedBackend(ClusterBackend):
-    """The ingress backend of mode=disaggregated: `workers` is the decode pool's handle."""
+    """The ingress backend of mode=disaggregated: `workers` is the decode pool's handle; with `prefill`
+    (the prefill pool's handle) each prompt starts on its prefill replica when the request arrives."""
+
+    def __init__(self, *args: Any, prefill: Any = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.prefill_pool = prefill
 
     async def generate_stream(self, input_ids: List[int], params: Any, rid: str) -> AsyncIterator[Any]:
+        if self.prefill_pool is not None and params.seed is None:  # both replicas must sample alike
+            params = dataclasses.replace(params, seed=random.getrandbits(62))
         for attempt in range(1, MAX_ATTEMPTS + 1):
             pair = await self._ask_router(self.router.route_pair.remote(input_ids, rid))
             streamed = False
             clock, text = RequestClock(), OutputText(self.tokenizer, input_ids, params)
+            early_key = self._start_prefill(input_ids, params, rid, pair.prefill.worker_id, attempt)
             decode = self.workers.options(session_id=pair.decode.worker_id, **STREAM_OPTIONS)
-            gen = decode.generate_disaggregated.remote(input_ids, params, rid, pair.prefill.worker_id)
+            gen = decode.generate_disaggregated.remote(input_ids, params, rid, pair.prefill.worker_id, early_key)
             self._active[rid] = gen
             try:
                 async for chunk in gen:
@@ -330,6 +449,19 @@ class DisaggregatedBackend(ClusterBackend):
                 finally:  # as in ClusterBackend.generate_stream
                     self.latency.on_request(clock)
                     self._finish_pair(pair, clock)
+                    if early_key and not streamed:  # claimed already if a token came; else drop it now
+                        self._send(self.prefill_pool.options(session_id=pair.prefill.worker_id)
+                                   .forget_prefill.remote(early_key))
+
+    def _start_prefill(self, input_ids: List[int], params: Any, rid: str, prefill_id: str, attempt: int) -> str:
+        """Start the prompt on its prefill replica (not awaited); returns the key its decode replica's
+        prefill call claims it by, or "" when early_prefill is off."""
+        if self.prefill_pool is None or params.n != 1:  # n > 1 is refused by the decode replica
+            return ""
+        key = f"{rid}@{attempt}.{uuid.uuid4().hex[:6]}"
+        self._send(self.prefill_pool.options(session_id=prefill_id).start_prefill.remote(
+            input_ids, params, rid, key, prefill_id))
+        return key
 
     async def _report_failure(self, pair: Any, cause: BaseException) -> None:
         """Tell the router which replica is gone so that the next pair avoids it."""

@@ -196,8 +196,9 @@ class Ingress:
 
     async def __init__(self, router, workers, model: Optional[str], model_name: str,
                    api_key: Optional[str], max_body_bytes: int, admin_api_key: Optional[str] = None,
-                   mode: str = "unified", tokenizer_source: Optional[str] = None):
-        """`workers`: the unified pool's handle, or the decode pool's (mode="disaggregated")."""
+                   mode: str = "unified", tokenizer_source: Optional[str] = None, prefill=None):
+        """`workers`: the unified pool's handle, or the decode pool's (mode="disaggregated"); `prefill`: the
+        prefill pool's handle when the ingress starts prompts there (disaggregated, early_prefill)."""
         from engine.models.source import resolve_model
         from engine.tokenizer import load_tokenizer
 
@@ -206,10 +207,13 @@ class Ingress:
         self.admin_api_key = admin_api_key
         tokenizer = await asyncio.to_thread(load_tokenizer, resolve_model(tokenizer_source or model))
         info = await asyncio.wait_for(workers.info.remote(), 600)  # waits for a first worker to be up
-        backend_cls = ClusterBackend
         if mode == "disaggregated":
-            from cluster.disaggregated import DisaggregatedBackend as backend_cls
-        self.backend = backend_cls(router, workers, tokenizer, info.context_len, info.vocab_size)
+            from cluster.disaggregated import DisaggregatedBackend
+
+            self.backend = DisaggregatedBackend(router, workers, tokenizer, info.context_len, info.vocab_size,
+                                                prefill=prefill)
+        else:
+            self.backend = ClusterBackend(router, workers, tokenizer, info.context_len, info.vocab_size)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         from cluster.admin import install_admin

@@ -70,6 +70,8 @@ def _all_idle_and_clean(http) -> bool:
             e = w["engine"]
             if not e or e["running"] or e["waiting"] or e.get("handoff_in_flight", 0):
                 return False
+            if e.get("early_prefill_held", 0):  # a prompt the ingress started, not claimed or dropped yet
+                return False
             if e["kv_free_tokens"] + e["kv_evictable_tokens"] != e["kv_total_tokens"]:
                 return False
     return True
@@ -129,6 +131,10 @@ def test_prefix_reuse_on_both_pools(http):
     # the first token came with the KV's completion notice (not with the call's return)
     assert decode["handoff_notified"] >= 1 and decode["handoff_ready_s"] > 0
     assert decode["first_output_requests"] >= 2  # the Worker's counters stay beside the handoff ones
+    # the ingress started both prompts on the prefill replica; the decode replica's calls claimed them
+    prefill = next(iter(_pools(http)["prefill"].values()))["engine"]
+    assert prefill["early_prefill_started"] >= 2 and prefill["early_prefill_claimed"] >= 2
+    assert prefill["early_prefill_held"] == 0
 
 
 @pytest.mark.parametrize("after_s", [0.0, 0.15, 0.6, 2.0])
