@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 from cluster.kv_transfer.base import (MAX_MESSAGE_BYTES, KVLayout, KVTransferBackend, KVTransferError,  # noqa: F401
                                       KVTransferTimeout, PageRun, PeerInfo, TransferHandle, TransferStatus,
-                                      page_runs, transfer_digest)
+                                      page_run_arrays, page_runs, transfer_digest)
 
 _BACKENDS = {
     "nixl": ("cluster.kv_transfer.nixl", "NixlBackend"),
