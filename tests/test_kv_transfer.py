@@ -72,6 +72,19 @@ def test_page_runs_coalesce_consecutive_pages_on_both_sides():
         page_runs(np.array([1, 2]), np.array([1]))
 
 
+def test_descriptor_rows_are_the_same_as_list_or_array():
+    """nixl._run_rows builds few regions as tuples and many as one array: same rows, buffer-major."""
+    nixl = pytest.importorskip("cluster.kv_transfer.nixl")
+    rng = np.random.default_rng(1)
+    for regions in (1, 5, nixl._LIST_ROWS_MAX, nixl._LIST_ROWS_MAX + 1, 200):
+        for bases in ([1 << 40], [1 << 40, 1 << 41]):
+            starts, lengths = rng.integers(1, 1000, regions), rng.integers(1, 9, regions)
+            rows = nixl._run_rows(bases, starts, lengths, 4096, 3)
+            want = [(b + 4096 * int(s), 4096 * int(n), 3) for b in bases for s, n in zip(starts, lengths)]
+            assert [tuple(int(v) for v in row) for row in rows] == want
+            assert isinstance(rows, list) == (len(want) <= nixl._LIST_ROWS_MAX)
+
+
 def test_nixl_random_pages_arrive_with_notification(nixl_pair):
     writer, buffers, reader = nixl_pair
     rng = np.random.default_rng(0)
@@ -152,6 +165,7 @@ def test_nixl_expect_never_written_times_out_and_releases(nixl_pair):
     ([1, 2], [3, 48], r"outside \[1, 48\)"),  # the peer's pool is smaller
     ([1, 2], [-1, 4], "outside"),
     ([1, 2], [4, 4], "duplicate"),
+    ([1, 2, 3], [5, 9, 5], "duplicate"),  # not increasing: the sorting check
     ([], [], "empty"),
     ([[1, 2]], [[3, 4]], "1-D"),
     ([1.5], [3], "integers"),

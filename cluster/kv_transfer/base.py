@@ -130,9 +130,9 @@ def as_pages(pages: Any, name: str) -> np.ndarray:
     arr = pages.detach().cpu().numpy() if isinstance(pages, torch.Tensor) else np.asarray(pages)
     if arr.ndim != 1:
         raise KVTransferError(f"{name} must be a 1-D list of page ids, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+    if arr.size and arr.dtype.kind not in "iu":
         raise KVTransferError(f"{name} must hold integers, got {arr.dtype}")
-    return arr.astype(np.int64, copy=False)
+    return arr if arr.dtype == np.int64 else arr.astype(np.int64)
 
 
 def check_pages(pages: np.ndarray, num_pages: int, name: str, *, unique: bool) -> None:

@@ -53,10 +53,10 @@ DEFAULT_CPU_UCX_TLS = "cma,tcp,self"
 class _Write:
     """Writer-side state of one transfer."""
 
-    local: np.ndarray
-    """(regions, 3) int64 rows (address, bytes, device id) of the src runs."""
-    remote: np.ndarray
-    """(regions, 3) int64 rows of the dst runs in the peer's buffers, in the same order."""
+    local: Any
+    """Rows (address, bytes, device id) of the src runs (_run_rows: a list of tuples or an (n, 3) array)."""
+    remote: Any
+    """Rows of the dst runs in the peer's buffers, in the same order."""
     notif: bytes
     ready: Any = None
     """CUDA event recorded at write(): posting waits for it (None for host memory)."""
@@ -89,12 +89,21 @@ def import_nixl() -> Any:
                           + "; ".join(errors))
 
 
-def _run_rows(bases: np.ndarray, starts: np.ndarray, lengths: np.ndarray, page_bytes: int, dev_id: int) -> np.ndarray:
-    """(len(bases) × runs, 3) int64 rows (address, bytes, device id): runs of pages `starts[i]`..
-    `starts[i] + lengths[i] - 1` in each buffer (base addresses `bases`), buffer-major. A handful of
-    numpy calls: this runs on the handoff's critical path."""
-    rows = np.empty((bases.size, starts.size, 3), dtype=np.int64)
-    rows[:, :, 0] = bases[:, None] + starts[None, :] * page_bytes
+_LIST_ROWS_MAX = 32
+"""Up to this many regions, descriptor rows are built as a list of tuples (cheaper than numpy's per-call cost
+on the handoff's critical path); above it, as one numpy array."""
+
+
+def _run_rows(bases: Sequence[int], starts: np.ndarray, lengths: np.ndarray, page_bytes: int,
+              dev_id: int) -> Any:
+    """(len(bases) × runs) rows (address, bytes, device id), buffer-major: runs of pages `starts[i]`..
+    `starts[i] + lengths[i] - 1` in each buffer at base address `bases[b]`. A list of 3-tuples for few
+    regions, else an (n, 3) int64 array (get_xfer_descs takes both)."""
+    if len(bases) * starts.size <= _LIST_ROWS_MAX:
+        runs = list(zip((starts * page_bytes).tolist(), (lengths * page_bytes).tolist()))
+        return [(base + offset, nbytes, dev_id) for base in bases for offset, nbytes in runs]
+    rows = np.empty((len(bases), starts.size, 3), dtype=np.int64)
+    rows[:, :, 0] = np.asarray(bases, dtype=np.int64)[:, None] + starts[None, :] * page_bytes
     rows[:, :, 1] = lengths * page_bytes
     rows[:, :, 2] = dev_id
     return rows.reshape(-1, 3)
@@ -118,7 +127,9 @@ class NixlBackend(KVTransferBackend):
         `regions()`."""
         super().__init__(agent_name, buffers, page_size)
         self._nixl = import_nixl()
-        self._bases = np.array([b.data_ptr() for b in self.buffers], dtype=np.int64)
+        self._bases = [b.data_ptr() for b in self.buffers]
+        self._events: list = []
+        """CUDA events of posted writes, for reuse."""
         self._dev_id = _device_index(self.layout.device)
         self._init_env()
         self._init_agent(num_threads, capture_telemetry)
@@ -181,18 +192,21 @@ class NixlBackend(KVTransferBackend):
         src_starts, dst_starts, lengths = page_run_arrays(src, dst)
         page_bytes = self.layout.page_bytes
         write = _Write(_run_rows(self._bases, src_starts, lengths, page_bytes, self._dev_id),
-                       _run_rows(np.asarray(peer.buffer_addrs, dtype=np.int64), dst_starts, lengths, page_bytes,
+                       _run_rows(peer.buffer_addrs, dst_starts, lengths, page_bytes,
                                  _device_index(peer.layout.device)), notif)
         if self.layout.device != "cpu":  # post once the work queued so far (the src pages' producer) is done
-            write.ready = torch.cuda.Event()
+            write.ready = self._events.pop() if self._events else torch.cuda.Event()
             write.ready.record(torch.cuda.current_stream(self.buffers[0].device))
         handle.state = write
         self._post(handle)
 
     def _post(self, handle: TransferHandle) -> None:
         write: _Write = handle.state
-        if write.ready is not None and not write.ready.query():
-            return
+        if write.ready is not None:
+            if not write.ready.query():
+                return
+            self._events.append(write.ready)  # reused: no event created or destroyed per transfer
+            write.ready = None
         try:  # runtime failures (peer gone) surface through poll/wait, like those after posting
             mem = _mem_type(self.layout.device)
             write.xfer = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(write.local, mem),
@@ -275,6 +289,9 @@ class NixlBackend(KVTransferBackend):
             if self._arrived.pop(key, None) is None and unfinished:
                 self._abandoned[key] = time.monotonic()  # its notification, if it comes, is dropped
             return
+        if isinstance(handle.state, _Write) and handle.state.ready is not None:
+            self._events.append(handle.state.ready)  # re-recording a pending event is allowed
+            handle.state.ready = None
         if handle.state is not None and handle.state.xfer is not None:
             try:
                 handle.state.xfer.release()
