@@ -47,7 +47,7 @@ from typing import Any, AsyncIterator, Dict, List, Optional
 import numpy as np
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
 
-from cluster.ingress import STREAM_OPTIONS, ClusterBackend, _unwrap
+from cluster.ingress import STREAM_OPTIONS, ClusterBackend, _awaited, _unwrap
 from cluster.kv_transfer import MAX_MESSAGE_BYTES, PeerInfo, kv_pool_buffers, make_backend
 from cluster.latency import RequestClock
 from cluster.text import OutputText
@@ -131,11 +131,6 @@ def handoff_message(handoff: Any) -> bytes:
     then takes the handoff from the call's result."""
     message = pickle.dumps(dataclasses.replace(handoff, src_pages=np.empty(0, dtype=np.int64)))
     return message if len(message) <= MAX_MESSAGE_BYTES else b""
-
-
-async def _awaited(call) -> Any:
-    """The result of a DeploymentResponse, as a coroutine (so that it can run as a task)."""
-    return await call
 
 
 def _is_dead(exc: BaseException) -> bool:
@@ -417,9 +412,10 @@ class DisaggregatedBackend(ClusterBackend):
         if self.prefill_pool is not None and params.seed is None:  # both replicas must sample alike
             params = dataclasses.replace(params, seed=random.getrandbits(62))
         for attempt in range(1, MAX_ATTEMPTS + 1):
-            pair = await self._ask_router(self.router.route_pair.remote(input_ids, rid))
-            streamed = False
             clock, text = RequestClock(), OutputText(self.tokenizer, input_ids, params)
+            pair = await self._ask_router(self.router.route_pair.remote(input_ids, rid),
+                                          lambda late: self._finish_pair(late, RequestClock()))
+            streamed = False
             early_key = self._start_prefill(input_ids, params, rid, pair.prefill.worker_id, attempt)
             decode = self.workers.options(session_id=pair.decode.worker_id, **STREAM_OPTIONS)
             gen = decode.generate_disaggregated.remote(input_ids, params, rid, pair.prefill.worker_id, early_key)

@@ -16,7 +16,7 @@ replicas hold no routing state (it lives in the router deployment), so they scal
 """
 import asyncio
 import time
-from typing import Any, AsyncIterator, Dict, List, Optional
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 
 from fastapi import FastAPI
 from prometheus_client.core import GaugeMetricFamily
@@ -39,6 +39,11 @@ H100 (Llama-3.1-8B dummy weights, 64 requests in flight: ~3.4k messages/s) the c
 0.44× of the bare engine's throughput to 0.84× with this, and to 0.92× with the HTTP proxy's handle
 to the ingress on gRPC as well (RAY_SERVE_USE_GRPC_BY_DEFAULT=1, which deploy/serve.sh and the image
 set; benchmarks/bench_overhead.py)."""
+
+
+async def _awaited(call: Any) -> Any:
+    """The result of a DeploymentResponse, as a coroutine (so that it can run as a task)."""
+    return await call
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -65,12 +70,20 @@ class ClusterBackend(ServingBackend):
     def vocab_size(self) -> int:
         return self._vocab_size
 
-    async def _ask_router(self, call) -> Any:
-        """Await a routing call (bounded); its time goes to self.latency; no worker → HTTP 503."""
+    async def _ask_router(self, call, finish: Callable[[Any], None]) -> Any:
+        """Await a routing call (bounded); its time goes to self.latency; no worker → HTTP 503.
+
+        The router counts the request in flight as soon as it decides. If this caller gives up first
+        (client disconnect: cancelled; or the bound ran out), the decision may still come: `finish(decision)`
+        then runs when it does, so the router does not count a request that never ran."""
         start = time.perf_counter()
+        task = asyncio.ensure_future(_awaited(call))
         try:
-            decision = await asyncio.wait_for(call, _RPC_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001
+            decision = await asyncio.wait_for(asyncio.shield(task), _RPC_TIMEOUT_S)
+        except BaseException as exc:
+            task.add_done_callback(lambda t: t.cancelled() or t.exception() is not None or finish(t.result()))
+            if not isinstance(exc, Exception):
+                raise
             exc = _unwrap(exc)
             if isinstance(exc, NoWorkersError):
                 raise APIError(503, f"no worker replica is available: {exc}", None, "no_workers") from None
@@ -79,11 +92,12 @@ class ClusterBackend(ServingBackend):
         return decision
 
     async def generate_stream(self, input_ids: List[int], params: Any, rid: str) -> AsyncIterator[Any]:
-        decision = await self._ask_router(self.router.route.remote(input_ids, rid))
+        clock, text = RequestClock(), OutputText(self.tokenizer, input_ids, params)
+        decision = await self._ask_router(self.router.route.remote(input_ids, rid),
+                                          lambda late: self._finish(late.worker_id))
         gen = self.workers.options(session_id=decision.worker_id, **STREAM_OPTIONS).generate.remote(
             input_ids, params, rid)
         self._active[rid] = gen
-        clock, text = RequestClock(), OutputText(self.tokenizer, input_ids, params)
         try:
             async for chunk in gen:
                 clock.on_chunk(chunk)

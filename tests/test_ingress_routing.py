@@ -1,0 +1,115 @@
+"""The ingress's routing call: the router counts a request in flight as soon as it decides, so a caller
+that gives up before the decision arrives (client disconnect, timeout) must still finish it there.
+
+Stand-ins replace the Serve handles (they record calls; `route` answers when the test says so): the
+real router and workers are covered by tests/test_cluster.py."""
+import asyncio
+from dataclasses import dataclass
+
+import pytest
+
+pytest.importorskip("ray")
+
+from cluster import ingress  # noqa: E402
+from cluster.ingress import ClusterBackend  # noqa: E402
+from cluster.router.policies import NoWorkersError  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from serving.errors import APIError  # noqa: E402
+
+
+@dataclass
+class Decision:
+    worker_id: str
+
+
+class Method:
+    """One deployment method: `.remote(...)` records the call and returns an awaitable answer."""
+
+    def __init__(self, answer=None):
+        self.calls, self.answer = [], answer
+
+    def remote(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        return self.answer() if callable(self.answer) else _value(self.answer)
+
+
+async def _value(value):
+    return value
+
+
+class Router:
+    def __init__(self, route_answer):
+        self.route, self.finish = Method(route_answer), Method()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from engine.models.source import resolve_model
+    from engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(resolve_model(None))
+
+
+def _backend(router, tokenizer) -> ClusterBackend:
+    return ClusterBackend(router, workers=None, tokenizer=tokenizer, context_len=2048, vocab_size=100)
+
+
+async def _drain(gen):
+    return [out async for out in gen]
+
+
+def test_decision_that_arrives_after_a_disconnect_is_finished(tokenizer):
+    async def run():
+        decided = asyncio.Event()
+
+        async def slow_route():
+            await decided.wait()
+            return Decision("w1")
+
+        router = Router(slow_route)
+        backend = _backend(router, tokenizer)
+        task = asyncio.ensure_future(_drain(backend.generate_stream([1, 2, 3], SamplingParams(), "r1")))
+        await asyncio.sleep(0.01)
+        task.cancel()  # the client left while the router was deciding
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert router.finish.calls == []
+        decided.set()  # ... and the router decided anyway: it counts r1 in flight on w1
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert [args for args, _ in router.finish.calls] == [("w1",)]
+    asyncio.run(run())
+
+
+def test_routing_timeout_finishes_the_late_decision(monkeypatch, tokenizer):
+    monkeypatch.setattr(ingress, "_RPC_TIMEOUT_S", 0.01)
+
+    async def run():
+        decided = asyncio.Event()
+
+        async def slow_route():
+            await decided.wait()
+            return Decision("w2")
+
+        router = Router(slow_route)
+        with pytest.raises(asyncio.TimeoutError):
+            await _drain(_backend(router, tokenizer).generate_stream([1], SamplingParams(), "r2"))
+        decided.set()
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert [args for args, _ in router.finish.calls] == [("w2",)]
+    asyncio.run(run())
+
+
+def test_no_workers_is_a_503_and_finishes_nothing(tokenizer):
+    async def run():
+        async def refuse():
+            raise NoWorkersError("pool is empty")
+
+        router = Router(refuse)
+        with pytest.raises(APIError) as err:
+            await _drain(_backend(router, tokenizer).generate_stream([1], SamplingParams(), "r3"))
+        assert err.value.status == 503
+        await asyncio.sleep(0)
+        assert router.finish.calls == []
+    asyncio.run(run())
