@@ -47,6 +47,7 @@ from typing import Any, AsyncIterator, Dict, List, Optional
 import numpy as np
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
 
+from cluster.early_prefill import StartedPrompts
 from cluster.ingress import STREAM_OPTIONS, ClusterBackend, _awaited, _unwrap
 from cluster.kv_transfer import MAX_MESSAGE_BYTES, PeerInfo, kv_pool_buffers, make_backend
 from cluster.latency import RequestClock
@@ -151,23 +152,6 @@ class _KVEndpoint:
         return self.transfer.info()
 
 
-@dataclass
-class _StartedPrompt:
-    """A prompt the ingress started on a prefill replica ahead of the decode replica's call."""
-    task: "asyncio.Future"
-    """engine.prefill_for_handoff(...) → PrefillHandoff; cancelling it aborts the engine request."""
-    engine_rid: str
-    signature: tuple
-    """(input_ids, params) it was started with: a claim must match them."""
-    started: float
-    """time.monotonic() at start."""
-
-
-EARLY_COUNTERS = ("early_prefill_started", "early_prefill_claimed", "early_prefill_dropped")
-"""Prefill replicas' counters of prompts started by the ingress (started; claimed by a decode replica's
-prefill call; dropped unclaimed: forgotten by the ingress or expired)."""
-
-
 class PrefillWorker(_KVEndpoint, Worker):
     """A replica of the prefill pool: computes prompts and writes their KV into decode replicas."""
 
@@ -175,71 +159,21 @@ class PrefillWorker(_KVEndpoint, Worker):
                        transfer_timeout_s: float):
         Worker.__init__(self, model, engine_options)
         self._init_transfer("prefill", kv_transfer, transfer_timeout_s)
-        self._started: Dict[str, _StartedPrompt] = {}
-        """key → prompt started by the ingress, not yet claimed or dropped."""
-        self._ended: Dict[str, float] = {}
-        """keys claimed or dropped (a late start_prefill for one is ignored) → time.monotonic()."""
-        self._early = dict.fromkeys(EARLY_COUNTERS, 0)
-        self._sweeper: Optional["asyncio.Future"] = None
+        self.started = StartedPrompts(self.engine, self.engine.runner.kv_pool.num_slots // 2, transfer_timeout_s)
+        """Prompts the ingress started here (early_prefill), at most half the KV pool's tokens."""
 
     def _extra_stats(self) -> Dict[str, float]:
-        return {**super()._extra_stats(), **self._early, "early_prefill_held": len(self._started)}
+        return {**super()._extra_stats(), **self.started.stats()}
 
     async def start_prefill(self, input_ids: List[int], params: Any, rid: str, key: str, replica_id: str) -> None:
         """Start computing a prompt that a decode replica's prefill call will claim under `key` (returns at
-        once). Ignored when meant for another replica, or when `key` was already claimed or dropped."""
-        if replica_id != self.replica_id or key in self._started or key in self._ended:
-            return
-        task = asyncio.ensure_future(self.engine.prefill_for_handoff(input_ids, params, rid=key))
-        task.add_done_callback(_retrieve)
-        self._started[key] = _StartedPrompt(task, key, (input_ids, params), time.monotonic())
-        self._early["early_prefill_started"] += 1
-        if self._sweeper is None or self._sweeper.done():
-            self._sweeper = asyncio.ensure_future(self._sweep_loop())
+        once; see cluster.early_prefill). Ignored when meant for another replica."""
+        if replica_id == self.replica_id:
+            self.started.start(input_ids, params, key)
 
     async def forget_prefill(self, key: str) -> None:
         """The request of `key` ended without its prompt being claimed: drop it (no-op once claimed)."""
-        started = self._started.pop(key, None)
-        self._ended[key] = time.monotonic()
-        if started is not None:
-            self._drop(started)
-
-    def _claim(self, key: str, input_ids: List[int], params: Any) -> Optional[_StartedPrompt]:
-        """The started prompt of `key` for a prefill call, or None (none started; or it was started with
-        other inputs, then dropped)."""
-        if not key:
-            return None
-        started = self._started.pop(key, None)
-        self._ended[key] = time.monotonic()
-        if started is None:
-            return None
-        if started.signature != (input_ids, params):
-            logger.warning("prompt started under %s differs from its prefill call's: computed anew", key)
-            self._drop(started)
-            return None
-        self._early["early_prefill_claimed"] += 1
-        return started
-
-    def _drop(self, started: _StartedPrompt) -> None:
-        """Free an unclaimed started prompt's engine request (computing: aborted; done: its hold released)."""
-        self._early["early_prefill_dropped"] += 1
-        if not started.task.done():
-            started.task.cancel()
-        elif not started.task.cancelled() and started.task.exception() is None:
-            self.engine.release_handoff(started.engine_rid)
-
-    async def _sweep_loop(self) -> None:
-        """While started prompts wait: drop those unclaimed after transfer_timeout_s (their decode
-        replica's call is not coming), and forget ended keys after an hour."""
-        while self._started or self._ended:
-            await asyncio.sleep(1.0)
-            now = time.monotonic()
-            for key in [k for k, s in self._started.items() if now - s.started > self.transfer_timeout_s]:
-                logger.warning("prompt started under %s was not claimed in %.0f s: dropped", key,
-                               self.transfer_timeout_s)
-                self._ended[key] = now
-                self._drop(self._started.pop(key))
-            self._ended = {k: t for k, t in self._ended.items() if now - t < 3600.0}
+        self.started.forget(key)
 
     async def prefill(self, input_ids: List[int], params: Any, rid: str, target: TransferTarget) -> Any:
         """Compute the prompt (or claim the one the ingress started under target.early_key), write the KV of
@@ -253,7 +187,7 @@ class PrefillWorker(_KVEndpoint, Worker):
         self._served.append(rid)
         self.transfer.connect(target.peer)
         start = time.perf_counter()
-        started = self._claim(target.early_key, input_ids, params)
+        started = self.started.claim(target.early_key, input_ids, params) if target.early_key else None
         if started is not None:
             engine_rid = started.engine_rid
             handoff = await started.task  # cancelling this call cancels the task: the engine aborts it
@@ -269,12 +203,6 @@ class PrefillWorker(_KVEndpoint, Worker):
         finally:
             self.engine.release_handoff(engine_rid)
         return PrefillResult(handoff, computed - start, time.perf_counter() - computed, entered_at, time.time())
-
-
-def _retrieve(task: "asyncio.Future") -> None:
-    """Done callback: mark a task's exception as retrieved (its owner may never await it)."""
-    if not task.cancelled():
-        task.exception()
 
 
 class DecodeWorker(_KVEndpoint, Worker):
