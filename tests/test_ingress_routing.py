@@ -58,15 +58,27 @@ async def _drain(gen):
     return [out async for out in gen]
 
 
+def _slow_router(worker_id: str):
+    """A router whose decision (for `worker_id`) comes once the returned event is set."""
+    decided = asyncio.Event()
+
+    async def slow_route():
+        await decided.wait()
+        return Decision(worker_id)
+    return Router(slow_route), decided
+
+
+async def _finished_after(router, decided) -> list:
+    """Let the late decision arrive; the workers the router was told were finished."""
+    decided.set()
+    for _ in range(10):
+        await asyncio.sleep(0)
+    return [args for args, _ in router.finish.calls]
+
+
 def test_decision_that_arrives_after_a_disconnect_is_finished(tokenizer):
     async def run():
-        decided = asyncio.Event()
-
-        async def slow_route():
-            await decided.wait()
-            return Decision("w1")
-
-        router = Router(slow_route)
+        router, decided = _slow_router("w1")
         backend = _backend(router, tokenizer)
         task = asyncio.ensure_future(_drain(backend.generate_stream([1, 2, 3], SamplingParams(), "r1")))
         await asyncio.sleep(0.01)
@@ -74,10 +86,8 @@ def test_decision_that_arrives_after_a_disconnect_is_finished(tokenizer):
         with pytest.raises(asyncio.CancelledError):
             await task
         assert router.finish.calls == []
-        decided.set()  # ... and the router decided anyway: it counts r1 in flight on w1
-        for _ in range(10):
-            await asyncio.sleep(0)
-        assert [args for args, _ in router.finish.calls] == [("w1",)]
+        # ... and the router decided anyway: it counts r1 in flight on w1 until told
+        assert await _finished_after(router, decided) == [("w1",)]
     asyncio.run(run())
 
 
@@ -85,19 +95,10 @@ def test_routing_timeout_finishes_the_late_decision(monkeypatch, tokenizer):
     monkeypatch.setattr(ingress, "_RPC_TIMEOUT_S", 0.01)
 
     async def run():
-        decided = asyncio.Event()
-
-        async def slow_route():
-            await decided.wait()
-            return Decision("w2")
-
-        router = Router(slow_route)
+        router, decided = _slow_router("w2")
         with pytest.raises(asyncio.TimeoutError):
             await _drain(_backend(router, tokenizer).generate_stream([1], SamplingParams(), "r2"))
-        decided.set()
-        for _ in range(10):
-            await asyncio.sleep(0)
-        assert [args for args, _ in router.finish.calls] == [("w2",)]
+        assert await _finished_after(router, decided) == [("w2",)]
     asyncio.run(run())
 
 
