@@ -340,10 +340,10 @@ class DisaggregatedBackend(ClusterBackend):
         if self.prefill_pool is not None and params.seed is None:  # both replicas must sample alike
             params = dataclasses.replace(params, seed=random.getrandbits(62))
         for attempt in range(1, MAX_ATTEMPTS + 1):
-            clock, text = RequestClock(), OutputText(self.tokenizer, input_ids, params)
+            text = OutputText(self.tokenizer, input_ids, params)
             pair = await self._ask_router(self.router.route_pair.remote(input_ids, rid),
                                           lambda late: self._finish_pair(late, RequestClock()))
-            streamed = False
+            streamed, clock = False, RequestClock()
             early_key = self._start_prefill(input_ids, params, rid, pair.prefill.worker_id, attempt)
             decode = self.workers.options(session_id=pair.decode.worker_id, **STREAM_OPTIONS)
             gen = decode.generate_disaggregated.remote(input_ids, params, rid, pair.prefill.worker_id, early_key)

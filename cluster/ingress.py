@@ -92,12 +92,13 @@ class ClusterBackend(ServingBackend):
         return decision
 
     async def generate_stream(self, input_ids: List[int], params: Any, rid: str) -> AsyncIterator[Any]:
-        clock, text = RequestClock(), OutputText(self.tokenizer, input_ids, params)
+        text = OutputText(self.tokenizer, input_ids, params)  # before routing: nothing to finish if it raises
         decision = await self._ask_router(self.router.route.remote(input_ids, rid),
                                           lambda late: self._finish(late.worker_id))
         gen = self.workers.options(session_id=decision.worker_id, **STREAM_OPTIONS).generate.remote(
             input_ids, params, rid)
         self._active[rid] = gen
+        clock = RequestClock()  # the worker call → first message (the routing call is timed apart)
         try:
             async for chunk in gen:
                 clock.on_chunk(chunk)
