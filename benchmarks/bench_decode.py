@@ -10,6 +10,11 @@ times per batch size:
   gpu_ms    the device time of the same step without host work between steps (CUDA events around
             --steps back-to-back steps, no read-back)
 
+--engine-tpot adds what a client sees, measured as the vLLM peer measures it (../shared/gpu/peer_vllm_bench.py):
+an Engine (scheduler, overlap scheduling, CUDA graphs) generates for one fresh prompt of --tpot-input-len
+random tokens, once 1 token and once --tpot-output-len tokens; time per output token = (t[out] - t[1]) /
+(out - 1), median of --tpot-trials; its roofline uses the mean context, input + output / 2.
+
 Roofline: a decode step must read every matmul weight once plus each request's KV cache:
     bytes = (layer matmul params + lm_head params) * dtype size + bs * context_len * KV bytes per token
     roofline_ms = bytes / copy bandwidth, the bandwidth of a 4 GiB device-to-device copy (bytes read +
@@ -73,7 +78,7 @@ class DecodeBench:
     """A ModelRunner with `max_bs` requests of `context_len` cached tokens (random KV)."""
 
     def __init__(self, model_dir: str, max_bs: int, context_len: int, backend: str, disable_cuda_graph: bool,
-                 dtype: str):
+                 dtype: str, **options):
         import torch
 
         from engine.config import EngineConfig
@@ -84,7 +89,7 @@ class DecodeBench:
         config = EngineConfig(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype=dtype,
                               max_running_requests=max_bs, max_total_tokens=max_bs * (context_len + 1) + 64,
                               attention_backend=backend, disable_cuda_graph=disable_cuda_graph,
-                              context_length=max(context_len + 64, 2048))
+                              context_length=max(context_len + 64, 2048), **options)
         self.runner = runner = ModelRunner(config, resolve_model(model_dir))
         self.device = runner.device
         self.rows, self.slots = [], []
@@ -167,6 +172,36 @@ class DecodeBench:
         return start.elapsed_time(end) / steps
 
 
+def engine_tpot(model_dir: str, args, options: Dict) -> Dict:
+    """Batch-1 time per output token of a whole Engine, as peer_vllm_bench measures vLLM's (see the docstring)."""
+    import random
+
+    from engine import Engine
+
+    n_in, n_out = args.tpot_input_len, args.tpot_output_len
+    rng = random.Random(0)
+    kwargs = dict(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype=args.dtype,
+                  attention_backend=args.attention_backend, disable_cuda_graph=args.disable_cuda_graph,
+                  max_running_requests=8, max_total_tokens=16384, context_length=2048, **options)
+    with Engine(**kwargs) as engine:
+        vocab = engine.runner.vocab_size
+
+        def timed(max_new: int) -> float:
+            prompt = [rng.randrange(100, vocab) for _ in range(n_in)]  # fresh: no prefix-cache hit
+            start = time.perf_counter()
+            out = engine.generate(prompt, dict(temperature=0.0, max_new_tokens=max_new, ignore_eos=True))
+            elapsed = time.perf_counter() - start
+            assert out.completion_tokens == max_new
+            return elapsed
+
+        timed(n_out)  # warm-up
+        first = statistics.median(timed(1) for _ in range(args.tpot_trials))
+        full = statistics.median(timed(n_out) for _ in range(args.tpot_trials))
+        backend = engine.runner.attn_backend_name
+    return dict(input_len=n_in, output_len=n_out, trials=args.tpot_trials, first_token_s=first, total_s=full,
+                tpot_ms=(full - first) / (n_out - 1) * 1e3, attention_backend=backend)
+
+
 def profile(bench: DecodeBench, bs: int, steps: int = 20) -> None:
     """torch.profiler over `steps` engine decode steps: GPU kernel time by kernel, and the host calls."""
     import torch
@@ -213,6 +248,13 @@ def main() -> None:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--disable-gemv", action="store_true", help="EngineConfig.disable_gemv: cuBLAS for one-row matmuls")
+    p.add_argument("--disable-pdl", action="store_true", help="EngineConfig.disable_pdl: no programmatic dependent launch")
+    p.add_argument("--engine-tpot", action="store_true",
+                   help="also measure an Engine's batch-1 time per output token (as the vLLM peer measures it)")
+    p.add_argument("--tpot-input-len", type=int, default=128)
+    p.add_argument("--tpot-output-len", type=int, default=256)
+    p.add_argument("--tpot-trials", type=int, default=5)
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/decode_<model>_<gpu>.json)")
     p.add_argument("--profile", action="store_true",
                    help="also print the top GPU kernels and host time of one step at the smallest batch size")
@@ -232,9 +274,10 @@ def main() -> None:
     shutil.copy(args.config, os.path.join(folder, "config.json"))
     dtype_bytes = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     sizes = model_bytes(cfg, dtype_bytes)
+    options = dict(disable_gemv=args.disable_gemv, disable_pdl=args.disable_pdl)
     start = time.perf_counter()
     bench = DecodeBench(folder, max(args.batch_sizes), args.context_len, args.attention_backend,
-                        args.disable_cuda_graph, args.dtype)
+                        args.disable_cuda_graph, args.dtype, **options)
     startup = time.perf_counter() - start
     rows: List[Dict] = []
     with torch.inference_mode():
@@ -259,20 +302,39 @@ def main() -> None:
             profile(bench, min(args.batch_sizes))
     hw = hardware()
     runner = bench.runner
+    backend_name, graphs_on = runner.attn_backend_name, runner.graph_runner is not None
+    tpot = None
+    if args.engine_tpot:
+        import gc
+
+        del bench, runner  # free the bench runner's weights and pool before the engine loads its own
+        gc.collect()
+        torch.cuda.empty_cache()
+        tpot = engine_tpot(folder, args, options)
+        avg_ctx = tpot["input_len"] + tpot["output_len"] / 2
+        tpot["bytes_per_step"] = sizes["weight_bytes"] + avg_ctx * sizes["kv_bytes_per_token"]
+        tpot["roofline_ms"] = tpot["bytes_per_step"] / bandwidth * 1e3
+        tpot["fraction_of_roofline"] = tpot["roofline_ms"] / tpot["tpot_ms"]
     print(f"\ndecode, {os.path.basename(args.config)} dummy {args.dtype}, context {args.context_len}; "
-          f"{hw.get('gpu')}; attention {runner.attn_backend_name}, CUDA graphs "
-          f"{'on' if runner.graph_runner is not None else 'off'}; copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+          f"{hw.get('gpu')}; attention {backend_name}, CUDA graphs {'on' if graphs_on else 'off'}, GEMV "
+          f"{'off' if args.disable_gemv else 'on'}, PDL {'off' if args.disable_pdl else 'on'}; copy bandwidth "
+          f"{bandwidth / 1e9:.0f} GB/s")
     cols = ["batch_size", "step_ms", "gpu_ms", "roofline_ms", "fraction_of_roofline", "gpu_fraction_of_roofline",
             "tokens_per_s"]
     print("".join(f"{c:>26}" for c in cols))
     for r in rows:
         print("".join(f"{r[c]:>26.3f}" if isinstance(r[c], float) else f"{r[c]:>26}" for c in cols))
+    if tpot is not None:
+        print(f"engine, batch 1, {tpot['input_len']} in + {tpot['output_len']} out: time per output token "
+              f"{tpot['tpot_ms']:.3f} ms = {tpot['fraction_of_roofline']:.1%} of the roofline "
+              f"({tpot['roofline_ms']:.3f} ms); first token {tpot['first_token_s'] * 1e3:.1f} ms")
     model = os.path.splitext(os.path.basename(args.config))[0]
     out = result_path(args.out, f"decode_{model}", hw)
     with open(out, "w") as f:
         json.dump(dict(benchmark="bench_decode", args=vars(args), hardware=hw, model=model, **sizes,
-                       copy_gb_per_s=bandwidth / 1e9, attention_backend=runner.attn_backend_name,
-                       cuda_graphs=runner.graph_runner is not None, startup_s=startup, results=rows,
+                       copy_gb_per_s=bandwidth / 1e9, attention_backend=backend_name, cuda_graphs=graphs_on,
+                       gemv=not args.disable_gemv, pdl=not args.disable_pdl, startup_s=startup, results=rows,
+                       engine_tpot=tpot,
                        time=time.strftime("%Y-%m-%dT%H:%M:%S%z")), f, indent=2)
     print(f"wrote {out}")
 

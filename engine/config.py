@@ -41,6 +41,8 @@ class EngineConfig:
     attention_backend: str = field(default="auto", metadata={"help": "auto | flashinfer | triton | torch_native. auto: flashinfer on CUDA for bf16/fp16 (triton when flashinfer is missing or for float32), torch_native on CPU."})
     disable_cuda_graph: bool = field(default=False, metadata={"help": "Run decode eagerly instead of replaying captured CUDA graphs (CUDA only)."})
     disable_overlap_schedule: bool = field(default=False, metadata={"help": "Run each batch to completion before planning the next, instead of launching batch N+1 before processing batch N's results on the CPU (engine/scheduler/overlap.py). Outputs are the same either way."})
+    disable_gemv: bool = field(default=False, metadata={"help": "Run one-row matmuls (batch-1 decode, last-token logits) with cuBLAS instead of radixserve's GEMV kernel (kernels/triton/gemv.py; CUDA only)."})
+    disable_pdl: bool = field(default=False, metadata={"help": "Launch radixserve's Triton kernels without programmatic dependent launch (Hopper and later: a kernel starts while the previous one finishes; kernels/triton/pdl.py). Process-wide."})
     cuda_graph_max_bs: Optional[int] = field(default=None, metadata={"help": "Largest decode batch captured as a CUDA graph (graphs at powers of two up to it; larger batches run eagerly). Default: max_running_requests, at most 256."})
     tokenizer: Optional[str] = field(default=None, metadata={"help": "Tokenizer source (HF folder or .gguf file) when it is not the model's own, e.g. for dummy weights of an architecture config; default: the model's."})
     skip_tokenizer_init: bool = field(default=False, metadata={"help": "No tokenizer: prompts must be token ids and outputs carry no text (benchmarks on dummy weights)."})

@@ -1,4 +1,4 @@
-"""Building blocks shared by the model families: RMSNorm, rotary embedding, SiLU-and-mul.
+"""Building blocks shared by the model families: Linear, RMSNorm, rotary embedding, SiLU-and-mul.
 
 Every layer works on the flat token layout of a ForwardBatch: activations are
 (T, hidden) or (T, heads, head_dim), T = tokens of the whole batch. Numerics
@@ -9,6 +9,8 @@ On CUDA the layers run fused Triton kernels (kernels/triton/fused_layers.py: one
 launch for residual-add + RMSNorm, SiLU-and-mul, and RoPE of q and k together),
 which round at the same places as the torch code; elsewhere plain torch. The
 kernel module is imported on first CUDA use, so CPU installs never import triton.
+`Linear` runs a one-row product (a batch-1 decode step, or the last row's logits)
+with kernels/triton/gemv.py on CUDA, every other product with F.linear.
 """
 from __future__ import annotations
 
@@ -33,6 +35,49 @@ def _fused(x: torch.Tensor):
     from kernels.triton import fused_layers  # noqa: PLC0415  (imports triton: GPU path only)
 
     return fused_layers
+
+
+def gemv_applies(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether the product of `x` ((rows, K)) with `module`'s weight goes to the one-row GEMV kernel: CUDA,
+    one row, 16-bit activations, and the module's `use_gemv` switch on (set_gemv; EngineConfig.disable_gemv).
+
+    float32 stays on F.linear: it is the reference dtype, whose Triton decode is batch-composition invariant
+    (a request's tokens do not depend on which others share its batch); a kernel for one row only would
+    make a request's last steps, decoded alone, round differently from its earlier ones.
+    """
+    return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
+            and getattr(module, "use_gemv", True))
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+         out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """x (1, K) @ weight (N, K)^T (+ bias) -> (1, N) with kernels/triton/gemv.py (CUDA only)."""
+    from kernels.triton.gemv import gemv as gemv_kernel  # noqa: PLC0415  (imports triton: GPU path only)
+
+    return gemv_kernel(x, weight, bias, out_dtype=out_dtype)
+
+
+def set_gemv(model: nn.Module, on: bool) -> None:
+    """Turn the one-row GEMV path of every Linear in `model` (and of its logits) on or off."""
+    for module in model.modules():
+        if isinstance(module, Linear) or hasattr(module, "use_gemv"):
+            module.use_gemv = on
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, same names) whose one-row products on CUDA run the GEMV kernel.
+
+    A batch-1 decode step multiplies one row by every weight: kernels/triton/gemv.py streams the weight at
+    close to the memory bandwidth without a split-K reduction kernel and, on Hopper, starts reading it
+    before the previous kernel has finished. Rounds like F.linear (float32 sums, one rounding).
+    """
+
+    use_gemv = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if gemv_applies(self, x):
+            return gemv(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):

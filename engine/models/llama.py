@@ -23,7 +23,7 @@ from transformers import PretrainedConfig
 
 from engine.errors import UnsupportedModelError
 from engine.forward_batch import ForwardBatch
-from engine.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from engine.models.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul, gemv, gemv_applies
 
 # HF projection name -> (fused parameter name, shard id)
 _STACKED: Dict[str, Tuple[str, str]] = {
@@ -50,8 +50,8 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         is_qwen2 = config.model_type == "qwen2"
         attention_bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=is_qwen2 or attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=attention_bias and not is_qwen2)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=is_qwen2 or attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=attention_bias and not is_qwen2)
         self.has_qk_norm = config.model_type == "qwen3"
         if self.has_qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -83,8 +83,8 @@ class LlamaMLP(nn.Module):
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act = SiluAndMul()
 
     def shard_rows(self, shard: str) -> Tuple[int, int]:
@@ -146,8 +146,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.use_gemv = True  # one-row logits through the GEMV kernel on CUDA (layers.set_gemv)
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @property
     def num_layers(self) -> int:
@@ -183,6 +184,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (N, hidden) -> logits (N, vocab) float32."""
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        if gemv_applies(self, hidden):
+            return gemv(hidden, weight, out_dtype=torch.float32)
         return F.linear(hidden, weight).float()
 
     # ---- weights -------------------------------------------------------------------------------

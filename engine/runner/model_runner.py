@@ -23,6 +23,7 @@ from engine.memory.allocator import TokenToKVPoolAllocator
 from engine.memory.kv_pool import KVPool
 from engine.forward_batch import ForwardMode
 from engine.memory.req_to_token import ReqToTokenPool
+from engine.models.layers import set_gemv
 from engine.models.loader import load_config, load_model
 from engine.models.source import ModelSource
 from engine.request import TokenLogprob
@@ -78,6 +79,11 @@ class ModelRunner:
                 f"the model's weights (~{n / 1e9:.2f} B parameters, ~{size / 2**30:.1f} GiB in {self.dtype}) do not "
                 f"fit on {self.device} ({free_before / 2**30:.1f} GiB free): use a GPU with more memory, a "
                 f"smaller dtype or a smaller model") from exc
+        set_gemv(self.model, not self.config.disable_gemv)
+        if self.device.type == "cuda":
+            from kernels.triton import pdl  # noqa: PLC0415  (GPU path only)
+
+            pdl.set_enabled(not self.config.disable_pdl)
         self.vocab_size = int(self.model_config.vocab_size)
         self.context_len = int(self.config.context_length or self.model_config.max_position_embeddings)
         window = self.model.sliding_window

@@ -249,6 +249,15 @@ class SampleOutput:
 
 
 # --- the sampler ---------------------------------------------------------------------------
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """(bs, V) float32 -> (bs,) int64 greedy ids: chunked in parallel on CUDA (kernels/triton/sampling.py)."""
+    if logits.is_cuda:
+        from kernels.triton.sampling import argmax  # noqa: PLC0415  (imports triton: GPU path only)
+
+        return argmax(logits)
+    return logits.argmax(dim=-1)
+
+
 class Sampler:
     """Stateless batched sampler. `logits` (bs, V) float32 may be modified in place."""
 
@@ -263,9 +272,9 @@ class Sampler:
         logprobs_all = torch.log_softmax(logits, dim=-1) if info.return_logprobs else None
 
         if info.is_all_greedy:
-            next_ids = logits.argmax(dim=-1)
+            next_ids = _argmax(logits)
         else:
-            greedy_ids = logits.argmax(dim=-1) if info.has_greedy else None
+            greedy_ids = _argmax(logits) if info.has_greedy else None
             next_ids = self._sample(logits, info)
             if greedy_ids is not None:
                 next_ids = torch.where(info.greedy_mask, greedy_ids, next_ids)

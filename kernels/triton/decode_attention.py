@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton import pdl
+
 _LOG2E = 1.4426950408889634
 MAX_KV_SPLITS = 64
 
@@ -51,10 +53,13 @@ def _decode_stage1(Q, K_buf, V_buf, Req_to_token, Req_pool_indices, Seq_lens, Mi
                    stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h,
                    qk_scale, num_splits,
                    G: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     seq_len = tl.load(Seq_lens + b).to(tl.int32)
     chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
@@ -98,9 +103,12 @@ def _decode_stage1(Q, K_buf, V_buf, Req_to_token, Req_pool_indices, Seq_lens, Mi
 
 @triton.jit
 def _decode_stage2(Mid_o, Mid_lse, O, stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h,
-                   stride_ot, stride_oh, num_splits, D: tl.constexpr, BLOCK_D: tl.constexpr):
+                   stride_ot, stride_oh, num_splits, D: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
     m = float("-inf")
@@ -161,11 +169,12 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
         mid_lse.stride(1), scale * _LOG2E, num_splits,
         G=group, D=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        **dot_flags(q.dtype, q.device), num_warps=4, num_stages=2,
+        **dot_flags(q.dtype, q.device), num_warps=4, num_stages=2, **pdl.launch_args(q.device),
     )
     _decode_stage2[(bs, num_heads)](
         mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
         mid_lse.stride(1), out.stride(0), out.stride(1), num_splits, D=head_dim, BLOCK_D=block_d, num_warps=1,
+        **pdl.launch_args(q.device),
     )
     return out
 

@@ -20,13 +20,19 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton import pdl
+
 
 @triton.jit
 def _rmsnorm_kernel(X, R, Y, S, W, stride_x, stride_r, stride_y, stride_s, N, eps,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
+    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: no kernel writes it
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0)
@@ -35,7 +41,6 @@ def _rmsnorm_kernel(X, R, Y, S, W, stride_x, stride_r, stride_y, stride_s, N, ep
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / N
     normed = (xf * tl.math.rsqrt(var + eps)).to(X.dtype.element_ty).to(tl.float32)
-    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(Y + row * stride_y + offs, (w * normed).to(Y.dtype.element_ty), mask=mask)
 
 
@@ -53,7 +58,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x2.shape[0]:
         _rmsnorm_kernel[(x2.shape[0],)](x2, x2, y, y, weight, x2.stride(0), 0, y.stride(0), 0, n, eps,
                                         HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(n),
-                                        num_warps=_warps(n))
+                                        num_warps=_warps(n), **pdl.launch_args(x.device))
     return y.view(x.shape)
 
 
@@ -67,15 +72,18 @@ def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
     if x2.shape[0]:
         _rmsnorm_kernel[(x2.shape[0],)](x2, r2, y, s, weight, x2.stride(0), r2.stride(0), y.stride(0), s.stride(0),
                                         n, eps, HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(n),
-                                        num_warps=_warps(n))
+                                        num_warps=_warps(n), **pdl.launch_args(x.device))
     return y.view(x.shape), s.view(x.shape)
 
 
 @triton.jit
-def _silu_and_mul_kernel(X, Y, stride_x, stride_y, D, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(X, Y, stride_x, stride_y, D, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     g = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(X + row * stride_x + D + offs, mask=mask, other=0.0).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
@@ -90,17 +98,21 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(2048, triton.next_power_of_2(d))
     if x2.shape[0]:
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](x2, y, x2.stride(0), y.stride(0), d,
-                                                                  BLOCK=block, num_warps=4)
+                                                                  BLOCK=block, num_warps=4,
+                                                                  **pdl.launch_args(x.device))
     return y.view(*x.shape[:-1], d)
 
 
 @triton.jit
 def _rope_kernel(Q, K, QO, KO, COS, SIN, stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st,
                  H: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
-                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
     mask_d = offs_d < HALF
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     c1 = tl.load(COS + t * stride_ct + offs_d, mask=mask_d, other=0.0).to(tl.float32)
     c2 = tl.load(COS + t * stride_ct + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)
     s1 = tl.load(SIN + t * stride_st + offs_d, mask=mask_d, other=0.0).to(tl.float32)
@@ -139,7 +151,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
         _rope_kernel[(T,)](q, k, qo, ko, cos2, sin2, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                            cos2.stride(0), sin2.stride(0), H=H, HKV=hkv, HALF=half,
                            BLOCK_H=triton.next_power_of_2(max(H, hkv)), BLOCK_HALF=triton.next_power_of_2(half),
-                           num_warps=4)
+                           num_warps=4, **pdl.launch_args(q.device))
     return qo, ko
 
 

@@ -1,4 +1,9 @@
-"""Gumbel-max sampling in one pass over the logits (the GPU path of engine/runner/sampler.py).
+"""Greedy argmax and Gumbel-max sampling over the logits (the GPU path of engine/runner/sampler.py).
+
+    argmax(logits (bs, V) float32) -> (bs,) int64, the lowest index of each row's maximum
+        torch.argmax reduces a row in one thread block (~27 us for a 128K vocabulary on an H100, a visible
+        part of a 5 ms batch-1 decode step); here each row is cut into chunks reduced in parallel, then the
+        chunks' winners are merged. NaN logits are never chosen (torch.argmax would pick a NaN).
 
     gumbel_argmax(logits (bs, V) float32, row_keys (bs,) int64) -> (bs,) int64
         = argmax_v  logits[i, v] - log(-log(u(i, v)))
@@ -47,6 +52,47 @@ def _gumbel_argmax_kernel(Logits, Keys, Out, stride_l, V, BLOCK: tl.constexpr):
     top = tl.max(best_val, axis=0)
     idx = tl.min(tl.where(best_val == top, best_idx, 2147483647), axis=0)
     tl.store(Out + row, tl.where(idx == 2147483647, 0, idx))  # an all -inf row gives 0, as torch.argmax
+
+
+@triton.jit
+def _argmax_chunks_kernel(Logits, Mid_val, Mid_idx, stride_l, V, num_chunks, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    val = tl.load(Logits + row * stride_l + offs, mask=offs < V, other=float("-inf"))
+    val = tl.where(val == val, val, float("-inf"))  # NaN never wins
+    top = tl.max(val, axis=0)
+    idx = tl.min(tl.where(val == top, offs, 2147483647), axis=0)
+    tl.store(Mid_val + row * num_chunks + chunk, top)
+    tl.store(Mid_idx + row * num_chunks + chunk, idx)
+
+
+@triton.jit
+def _argmax_merge_kernel(Mid_val, Mid_idx, Out, num_chunks, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < num_chunks
+    val = tl.load(Mid_val + row * num_chunks + offs, mask=mask, other=float("-inf"))
+    idx = tl.load(Mid_idx + row * num_chunks + offs, mask=mask, other=2147483647)
+    top = tl.max(val, axis=0)
+    best = tl.min(tl.where(val == top, idx, 2147483647), axis=0)  # chunks hold ascending indices
+    tl.store(Out + row, tl.where(best == 2147483647, 0, best).to(tl.int64))  # all -inf: 0, as torch
+
+
+def argmax(logits: torch.Tensor, block: int = 2048) -> torch.Tensor:
+    """logits (bs, V) float32 (last dim contiguous) -> (bs,) int64: the first index of each row's maximum."""
+    bs, vocab = logits.shape
+    assert logits.stride(1) == 1
+    out = torch.empty(bs, dtype=torch.int64, device=logits.device)
+    if bs == 0:
+        return out
+    chunks = triton.cdiv(vocab, block)
+    mid_val = torch.empty((bs, chunks), dtype=torch.float32, device=logits.device)
+    mid_idx = torch.empty((bs, chunks), dtype=torch.int32, device=logits.device)
+    _argmax_chunks_kernel[(bs, chunks)](logits, mid_val, mid_idx, logits.stride(0), vocab, chunks, BLOCK=block,
+                                        num_warps=4)
+    _argmax_merge_kernel[(bs,)](mid_val, mid_idx, out, chunks, BLOCK=triton.next_power_of_2(chunks), num_warps=1)
+    return out
 
 
 def gumbel_argmax(logits: torch.Tensor, row_keys: torch.Tensor) -> torch.Tensor:

@@ -12,13 +12,19 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton import pdl
+
 
 @triton.jit
 def _store_kv_kernel(K, V, K_buf, V_buf, Loc,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_kbs, stride_kbh, stride_vbs, stride_vbh,
-                     HKV: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                     HKV: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                     USE_PDL: tl.constexpr):
     t = tl.program_id(0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     slot = tl.load(Loc + t).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -43,7 +49,7 @@ def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: tor
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         HKV=hkv, D=d, BLOCK_H=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d),
-        num_warps=4 if hkv * d >= 1024 else 1,
+        num_warps=4 if hkv * d >= 1024 else 1, **pdl.launch_args(k.device),
     )
 
 

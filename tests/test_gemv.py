@@ -1,0 +1,176 @@
+"""The one-row GEMV kernel (kernels/triton/gemv.py), the chunked greedy argmax (kernels/triton/sampling.py),
+and the model's use of both (engine/models/layers.py Linear, LlamaForCausalLM.compute_logits).
+
+On CPU the kernels run under the Triton interpreter (small shapes); on a GPU they run compiled, with
+programmatic dependent launch on Hopper, and the @pytest.mark.gpu tests add the Llama-3.1-8B shapes.
+
+Tolerance: the kernel and the reference both sum in float32 and round once; only the summation order
+differs, so fp32 agrees to ~1e-5 relative and bf16 / fp16 to one ulp of the output dtype.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from kernels.triton import fix_interpreter_scalar_index  # noqa: E402
+from kernels.triton.gemv import GemvConfig, gemv, gemv_reference, pick_config  # noqa: E402
+from kernels.triton.sampling import argmax  # noqa: E402
+
+fix_interpreter_scalar_index()
+GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if GPU else "cpu")
+ULP = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2 ** -7, atol=1e-2),
+       torch.float16: dict(rtol=2 ** -10, atol=1e-3)}
+
+
+def randn(*shape, dtype, seed=0, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype=dtype, device=DEVICE)
+
+
+def tol(dtype):
+    # the CPU interpreter truncates float32 -> bf16 where torch rounds: one more ulp there
+    if not GPU and dtype == torch.bfloat16:
+        return dict(rtol=2 ** -6, atol=2e-2)
+    return ULP[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k,bias", [(40, 64, False), (37, 96, True), (16, 1024, False), (5, 40, True)])
+def test_gemv_matches_reference(dtype, n, k, bias):
+    """Rows that do not fill the last program (37, 5), K shorter than or not a multiple of the tile (96, 40)."""
+    x = randn(1, k, dtype=dtype)
+    w = randn(n, k, dtype=dtype, seed=1, scale=k ** -0.5)
+    b = randn(n, dtype=dtype, seed=2) if bias else None
+    y = gemv(x, w, b)
+    assert y.shape == (1, n) and y.dtype == dtype
+    torch.testing.assert_close(y, gemv_reference(x, w, b), **tol(dtype))
+
+
+@pytest.mark.parametrize("cfg", [GemvConfig(4, 16, 1), GemvConfig(8, 32, 2), GemvConfig(16, 64, 4)])
+def test_gemv_tile_shapes_and_several_k_tiles(cfg):
+    """Explicit tiles: K = 200 spans several tiles with a partial last one; N = 50 a partial last program."""
+    x = randn(1, 200, dtype=torch.float32)
+    w = randn(50, 200, dtype=torch.float32, seed=1, scale=0.1)
+    torch.testing.assert_close(gemv(x, w, config=cfg), gemv_reference(x, w), **ULP[torch.float32])
+
+
+def test_gemv_float32_logits_round_through_the_input_dtype():
+    """out_dtype=float32 stores F.linear(x, w).float(): the bf16 result widened, not the float32 sum."""
+    x = randn(1, 64, dtype=torch.bfloat16)
+    w = randn(33, 64, dtype=torch.bfloat16, seed=1, scale=0.2)
+    y = gemv(x, w, out_dtype=torch.float32)
+    assert y.dtype == torch.float32
+    assert torch.equal(y, y.to(torch.bfloat16).float())  # every value is a bf16 value
+    torch.testing.assert_close(y, gemv_reference(x, w).float(), **tol(torch.bfloat16))
+
+
+def test_gemv_vector_input_and_bad_shapes():
+    x = randn(64, dtype=torch.float32)
+    w = randn(8, 64, dtype=torch.float32, seed=1)
+    assert gemv(x, w).shape == (8,)
+    with pytest.raises(ValueError, match="columns"):
+        gemv(randn(1, 63, dtype=torch.float32), w)
+    with pytest.raises(ValueError, match="contiguous"):
+        gemv(randn(1, 8, dtype=torch.float32), w.t())
+
+
+def test_gemv_is_deterministic():
+    """Same inputs, same bits: the tile (and so the summation order) is a function of the shape alone."""
+    x = randn(1, 256, dtype=torch.bfloat16)
+    w = randn(96, 256, dtype=torch.bfloat16, seed=1, scale=0.1)
+    assert torch.equal(gemv(x, w), gemv(x, w))
+    assert pick_config(96, 256, torch.bfloat16) == pick_config(96, 256, torch.bfloat16)
+
+
+def test_pick_config_tiles():
+    """The tiles bench_gemv --sweep chose for Llama-3.1-8B on an H100, and small shapes fitted."""
+    bf16 = torch.bfloat16
+    assert pick_config(6144, 4096, bf16) == GemvConfig(16, 512, 4)   # qkv
+    assert pick_config(4096, 4096, bf16) == GemvConfig(8, 512, 8)    # o
+    assert pick_config(28672, 4096, bf16) == GemvConfig(4, 1024, 4)  # gate_up
+    assert pick_config(4096, 14336, bf16) == GemvConfig(4, 1024, 8)  # down
+    assert pick_config(128256, 4096, bf16) == GemvConfig(4, 1024, 4)  # lm_head
+    assert pick_config(4096, 4096, torch.float32).block_k == 256  # 1 KiB of each row per tile
+    cfg = pick_config(5, 40, torch.float32)
+    assert cfg == GemvConfig(8, 64, 4)  # one program covers all 5 rows
+
+
+@pytest.mark.parametrize("bs,vocab", [(1, 5000), (3, 300), (2, 2048)])
+def test_argmax_matches_torch(bs, vocab):
+    logits = randn(bs, vocab, dtype=torch.float32)
+    torch.testing.assert_close(argmax(logits), logits.argmax(dim=-1), rtol=0, atol=0)
+
+
+def test_argmax_ties_take_the_lowest_index_across_chunks():
+    """Maxima in several chunks: the first index wins, as torch.argmax; an all -inf row gives 0."""
+    logits = torch.full((3, 5000), -1.0, device=DEVICE)
+    logits[0, [4999, 2048, 3000]] = 7.0  # chunk 1 and 2 hold maxima; the lowest is 2048
+    logits[1, [10, 11]] = 2.0
+    logits[2] = float("-inf")
+    assert argmax(logits, block=1024).tolist() == [2048, 10, 0]
+    assert logits.argmax(dim=-1).tolist() == [2048, 10, 0]
+
+
+def test_linear_uses_gemv_only_for_one_row_on_cuda():
+    from engine.models.layers import Linear, gemv_applies, set_gemv
+
+    layer = Linear(64, 32, bias=True)
+    x = torch.randn(1, 64)
+    assert not gemv_applies(layer, x)  # CPU: F.linear
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    if GPU:
+        layer = layer.to(device=DEVICE, dtype=torch.bfloat16)
+        one, two = torch.randn(1, 64, device=DEVICE, dtype=torch.bfloat16), torch.randn(2, 64, device=DEVICE,
+                                                                                         dtype=torch.bfloat16)
+        assert gemv_applies(layer, one) and not gemv_applies(layer, two)
+        assert not gemv_applies(layer, one.float())  # float32 stays on F.linear (batch invariance)
+        set_gemv(layer, False)
+        assert not gemv_applies(layer, one)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)])
+def test_gpu_gemv_llama3_8b_shapes(n, k):
+    """Llama-3.1-8B's decode products (qkv, o, gate_up, down, lm_head) against F.linear in bf16."""
+    x = randn(1, k, dtype=torch.bfloat16)
+    w = randn(n, k, dtype=torch.bfloat16, seed=1, scale=k ** -0.5)
+    y = gemv(x, w)
+    torch.testing.assert_close(y, gemv_reference(x, w), **ULP[torch.bfloat16])
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w), **ULP[torch.bfloat16])
+
+
+@pytest.mark.gpu
+def test_gpu_gemv_chain_in_a_cuda_graph():
+    """A chain of dependent products (each reads the previous one's output) captured in a CUDA graph and
+    replayed: with programmatic dependent launch a kernel starts before its predecessor ends, so a missing
+    wait would read stale inputs. The replay must equal the eager chain bit for bit."""
+    ws = [randn(512, 512, dtype=torch.bfloat16, seed=i, scale=512 ** -0.5) for i in range(8)]
+    x0 = randn(1, 512, dtype=torch.bfloat16, seed=99)
+
+    def chain(x):
+        for w in ws:
+            x = gemv(x, w)
+        return x
+
+    eager = chain(x0)
+    static_x = x0.clone()
+    chain(static_x)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = chain(static_x)
+    for seed in (99, 5, 6):
+        static_x.copy_(randn(1, 512, dtype=torch.bfloat16, seed=seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_y, chain(static_x.clone())), seed
+    static_x.copy_(x0)
+    graph.replay()
+    assert torch.equal(static_y, eager)
