@@ -243,6 +243,7 @@ def main() -> None:
     from ray import serve
 
     os.environ.setdefault("RAY_SERVE_USE_GRPC_BY_DEFAULT", "1")  # as deploy/serve.sh and the image run it
+    os.environ.setdefault("RAY_SERVE_ENABLE_HA_PROXY", "1")  # likewise
     radixserve_env = {k: v for k, v in os.environ.items() if k.startswith(("RADIXSERVE_", "RAY_SERVE_"))}
     ray.init(num_cpus=args.ray_cpus, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",

@@ -36,9 +36,10 @@ STREAM_OPTIONS = {"stream": True, "_by_reference": False}
 Serve's gRPC transport instead of through the object store: about twice the messages per second
 (RAY_SERVE_NOTES §3), and a worker sends one message per running request per engine step. On one
 H100 (Llama-3.1-8B dummy weights, 64 requests in flight: ~3.4k messages/s) the cluster went from
-0.44× of the bare engine's throughput to 0.84× with this, and to 0.92× with the HTTP proxy's handle
-to the ingress on gRPC as well (RAY_SERVE_USE_GRPC_BY_DEFAULT=1, which deploy/serve.sh and the image
-set; benchmarks/bench_overhead.py)."""
+0.44× of the bare engine's throughput to 0.84× with this, and to 0.92× with Serve's Python HTTP proxy's
+handle to the ingress on gRPC as well (RAY_SERVE_USE_GRPC_BY_DEFAULT=1, which deploy/serve.sh and the
+image set; benchmarks/bench_overhead.py). They also put HAProxy in front (RAY_SERVE_ENABLE_HA_PROXY=1),
+which sends HTTP straight to an ingress replica: no Serve hop before the ingress at all."""
 
 
 async def _awaited(call: Any) -> Any:

@@ -10,10 +10,11 @@ import time
 from typing import Callable, Dict, Optional
 
 WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-              "OMP_NUM_THREADS": "1", "UCX_TLS": "tcp,self", "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}
+              "OMP_NUM_THREADS": "1", "UCX_TLS": "tcp,self", "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
+              "RAY_SERVE_ENABLE_HA_PROXY": "1"}
 """Environment of every replica: offline model files, one thread per engine (2 CPUs are shared),
-UCX over TCP for NIXL in host memory, Serve's handles over gRPC as deploy/serve.sh and the image set
-them (also in this process, whose local Ray cluster the proxy inherits it from)."""
+UCX over TCP for NIXL in host memory, Serve's handles over gRPC and HAProxy in front as deploy/serve.sh
+and the image set them (also in this process, whose local Ray cluster the proxy inherits it from)."""
 
 
 def free_port() -> int:
@@ -31,6 +32,7 @@ def start_serve(args, app: str, env: Optional[Dict[str, str]] = None) -> str:
     from cluster.app import deployment
 
     os.environ.setdefault("RAY_SERVE_USE_GRPC_BY_DEFAULT", WORKER_ENV["RAY_SERVE_USE_GRPC_BY_DEFAULT"])
+    os.environ.setdefault("RAY_SERVE_ENABLE_HA_PROXY", WORKER_ENV["RAY_SERVE_ENABLE_HA_PROXY"])
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {**WORKER_ENV, **(env or {})}})
     port = free_port()

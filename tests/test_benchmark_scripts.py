@@ -22,7 +22,7 @@ def run_script(name, *args):
 
 @pytest.mark.parametrize("name", ["bench_offline.py", "bench_serving.py", "bench_overhead.py", "bench_router.py",
                                   "bench_kv_transfer.py", "bench_decode.py", "bench_cluster.py",
-                                  "bench_overlap.py", "bench_gemv.py"])
+                                  "bench_overlap.py", "bench_gemv.py", "bench_frontend.py"])
 def test_help(name):
     proc = run_script(name, "--help")
     assert proc.returncode == 0, proc.stderr
