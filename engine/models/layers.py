@@ -60,7 +60,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
 def set_gemv(model: nn.Module, on: bool) -> None:
     """Turn the one-row GEMV path of every Linear in `model` (and of its logits) on or off."""
     for module in model.modules():
-        if isinstance(module, Linear) or hasattr(module, "use_gemv"):
+        if hasattr(module, "use_gemv"):  # every Linear, and the model (its logits)
             module.use_gemv = on
 
 

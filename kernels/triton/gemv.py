@@ -21,6 +21,7 @@ product is summed the same way in every process and run (no autotuning), graphs 
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -58,10 +59,9 @@ def _gemv_kernel(X, W, B, Y, N, K, stride_wn,
     for k in range(BLOCK_K, K, BLOCK_K):
         if EVEN_K:
             w_next = tl.load(w_ptrs + k, eviction_policy="evict_first")
-            x = tl.load(X + (k - BLOCK_K) + cols)
         else:
             w_next = tl.load(w_ptrs + k, mask=(k + cols[None, :]) < K, other=0.0, eviction_policy="evict_first")
-            x = tl.load(X + (k - BLOCK_K) + cols)  # tile k - BLOCK_K is a whole tile
+        x = tl.load(X + (k - BLOCK_K) + cols)  # tile k - BLOCK_K is a whole tile: it ends at k < K
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         w = w_next
     last = ((K - 1) // BLOCK_K) * BLOCK_K
@@ -77,6 +77,7 @@ def _gemv_kernel(X, W, B, Y, N, K, stride_wn,
     tl.store(Y + rows, y.to(X.dtype.element_ty).to(Y.dtype.element_ty), mask=row_ok)
 
 
+@functools.lru_cache(maxsize=None)
 def pick_config(n: int, k: int, dtype: torch.dtype) -> GemvConfig:
     """Tile shape for an (n, k) weight: a fixed function of the shape, so results never depend on timing.
 
@@ -86,9 +87,9 @@ def pick_config(n: int, k: int, dtype: torch.dtype) -> GemvConfig:
         program, 2 KiB of each row per tile, so thousands of programs each stream long contiguous runs;
       otherwise (qkv, o) 512-element tiles, 16 rows per program above 4096 rows, else 8 rows and 8 warps
         (the 4096 x 4096 product needs more programs in flight to hide the memory latency).
-    Smaller shapes (tests, small models) get tiles that fit them.
+    Smaller shapes (tests, small models) get tiles that fit them. Cached: it runs on every eager call.
     """
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = dtype.itemsize
     if k >= 8192 or n >= 16384:
         block_n, block_k, warps = 4, 2048 // elem, 8 if k >= 8192 else 4
     elif n > 4096:
