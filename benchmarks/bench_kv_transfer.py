@@ -10,7 +10,8 @@ RUN pages (each of --run-pages) at random places of the writer's pool (a radix c
 pieces of other prompts), the dst pages are one block (a fresh allocation), so it is one region
 per run.
 
-Timing is the writer's: write() until its handle is DONE, busy-polled (no event-loop sleeps),
+Timing is the writer's: write(src_ready=True, as a prefill replica calls it; --stream-event for the
+CUDA-event wait) until its handle is DONE, busy-polled (no event-loop sleeps),
 --repeats times after --warmup untimed transfers; the receiver awaits its expects as a replica
 would (KVTransferBackend.wait: asyncio, polls backing off to 0.2 ms). For NIXL, a ceiling row too:
 NIXL's own call sequence with nothing of ours around it (one region, handle prepared once, re-posted).
@@ -88,7 +89,8 @@ class Side:
             for h in handles:
                 self.backend.release(h)
 
-    def write_timed(self, peer: str, src: List[int], dst: List[int], tids: List[str], timeout_s: float) -> List[float]:
+    def write_timed(self, peer: str, src: List[int], dst: List[int], tids: List[str], timeout_s: float,
+                    src_ready: bool) -> List[float]:
         """Seconds from write() to DONE for each transfer id, one after the other. The page ids become
         int64 arrays first, as a replica holds them (engine.scheduler.handoff)."""
         import numpy as np
@@ -97,7 +99,7 @@ class Side:
         times = []
         for tid in tids:
             t0 = time.perf_counter()
-            self._busy_wait([self.backend.write(peer, src, dst, tid)], timeout_s)
+            self._busy_wait([self.backend.write(peer, src, dst, tid, src_ready=src_ready)], timeout_s)
             times.append(time.perf_counter() - t0)
         return times
 
@@ -221,7 +223,8 @@ def bench_backend(name: str, args, cuda: bool, sizes: List[int], run_lengths: Li
             count = (1 if first_ms is None else 0) + args.warmup + args.repeats
             tids = [f"{size}-{run_pages}-{i}" for i in range(count)]
             received = reader.receive.remote(f"bench-prefill-{name}", dst, tids, args.timeout)
-            times = ray.get(writer.write_timed.remote(f"bench-decode-{name}", src, dst, tids, args.timeout))
+            times = ray.get(writer.write_timed.remote(f"bench-decode-{name}", src, dst, tids, args.timeout,
+                                                      not args.stream_event))
             ray.get(received)
             if first_ms is None:
                 first_ms, times = times[0] * 1e3, times[1:]
@@ -275,6 +278,10 @@ def main() -> None:
     p.add_argument("--run-pages", default="8,64,4096",
                    help="comma-separated: src pages lie in runs of this many pages (one case each)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before a transfer counts as failed")
+    p.add_argument("--stream-event", action="store_true",
+                   help="write(src_ready=False): each write waits for a CUDA event on the current stream (a caller "
+                        "that cannot vouch that its src pages are computed); default: src_ready=True, as a "
+                        "prefill replica writes (its first token is on the host)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu", action="store_true", help="host memory even where CUDA is available")
     p.add_argument("--out", default=None)

@@ -197,8 +197,10 @@ class PrefillWorker(_KVEndpoint, Worker):
         computed = time.perf_counter()
         try:
             src = handoff.pages_from(target.prefix_len)
+            # src_ready: the first token is on the host, so the kernels that wrote these pages are done (a CUDA
+            # event on this thread's stream would also wait for whatever the engine queued since).
             handle = self.transfer.write(target.peer.name, src, target.dst_pages, target.transfer_id,
-                                         message=handoff_message(handoff))
+                                         message=handoff_message(handoff), src_ready=True)
             await self.transfer.wait(handle, self.transfer_timeout_s)
         finally:
             self.engine.release_handoff(engine_rid)

@@ -72,6 +72,49 @@ def test_page_runs_coalesce_consecutive_pages_on_both_sides():
         page_runs(np.array([1, 2]), np.array([1]))
 
 
+def _reference_runs(src: np.ndarray, dst: np.ndarray) -> list[PageRun]:
+    """Maximal runs consecutive on both sides, one pair at a time (the definition page_runs implements)."""
+    runs: list[PageRun] = []
+    for s, d in zip(src.tolist(), dst.tolist()):
+        last = runs[-1] if runs else None
+        if last and s == last.src_start + last.length and d == last.dst_start + last.length:
+            runs[-1] = PageRun(last.src_start, last.dst_start, last.length + 1)
+        else:
+            runs.append(PageRun(s, d, 1))
+    return runs
+
+
+def test_page_runs_match_the_definition_on_single_runs_and_scattered_pages():
+    """The one-run fast path (both sides consecutive) and the general path agree with the pairwise definition,
+    including near misses of the fast path: equal spans but a gap and a repeat, or a descending side."""
+    rng = np.random.default_rng(7)
+    cases = [(np.arange(5, 37), np.arange(100, 132)), (np.array([4]), np.array([9])),
+             (np.array([1, 2, 4, 4]), np.array([10, 11, 12, 13])),  # span 3 over 4 pages, not increasing
+             (np.array([1, 3, 2, 4]), np.array([10, 11, 12, 13])), (np.arange(8, 0, -1), np.arange(1, 9)),
+             (np.arange(1, 9), np.array([1, 2, 3, 4, 6, 7, 8, 5]))]
+    for _ in range(50):
+        n = int(rng.integers(1, 40))
+        src = np.sort(rng.choice(np.arange(1, 200), n, replace=False)) if rng.random() < 0.5 else np.arange(1, n + 1)
+        dst = np.arange(50, 50 + n) if rng.random() < 0.5 else rng.permutation(np.arange(1, n + 1))
+        cases.append((src, dst))
+    for src, dst in cases:
+        src, dst = src.astype(np.int64), dst.astype(np.int64)
+        assert page_runs(src, dst) == _reference_runs(src, dst), (src, dst)
+
+
+def test_page_checks_reject_bad_ids_on_both_paths():
+    """Bounds and duplicates are caught whether the ids are increasing (checked at the ends) or not."""
+    from cluster.kv_transfer.base import check_pages
+
+    for pages in ([0, 1, 2], [5, 6, 40], [6, 0, 5], [40, 2]):
+        with pytest.raises(KVTransferError, match="outside"):
+            check_pages(np.array(pages, dtype=np.int64), 40, "p", unique=True)
+    with pytest.raises(KVTransferError, match="duplicate"):
+        check_pages(np.array([3, 5, 3], dtype=np.int64), 40, "p", unique=True)
+    check_pages(np.array([3, 5, 3], dtype=np.int64), 40, "p", unique=False)  # a writer may send a page twice
+    check_pages(np.array([1, 2, 39], dtype=np.int64), 40, "p", unique=True)
+
+
 def test_descriptor_rows_are_the_same_as_list_or_array():
     """nixl._run_rows builds few regions as tuples and many as one array: same rows, buffer-major."""
     nixl = pytest.importorskip("cluster.kv_transfer.nixl")
@@ -111,6 +154,31 @@ def test_nixl_random_pages_arrive_with_notification(nixl_pair):
     assert reader.call("expect", "prefill-0", dst2, tid, 30.0) == b"m" * MAX_MESSAGE_BYTES
     _check_received(reader.call("buffers_cpu"), buffers, src + src2.tolist(), dst + dst2.tolist())
     assert reader.call("live_handles") == 0
+
+
+def test_nixl_shared_worker_path_still_moves_pages():
+    """num_threads=0 (RADIXSERVE_NIXL_THREADS=0) keeps NIXL's shared worker and progress thread; a writer on that
+    path reaches a receiver on the default dedicated worker with data and message intact. A negative thread
+    count is refused."""
+    pool = make_pool(16)
+    buffers = kv_pool_buffers(pool)
+    fill(buffers, seed=3)
+    with pytest.raises(KVTransferError, match="threads"):
+        make_backend("nixl", "prefill-bad-threads", buffers, PAGE_SIZE, num_threads=-1)
+    writer = make_backend("nixl", "prefill-shared", buffers, PAGE_SIZE, num_threads=0)
+    reader = PeerProcess("nixl", "decode-shared", 16)
+    try:
+        assert writer.num_threads == 0
+        reader.call("connect", writer.info())
+        writer.connect(reader.call("info"))
+        src, dst = [10, 11, 12, 13, 2], [3, 4, 5, 6, 7]
+        tid = _tid()
+        writer.wait_sync(writer.write("decode-shared", src, dst, tid, message=b"shared"), 30.0)
+        assert reader.call("expect", "prefill-shared", dst, tid, 30.0) == b"shared"
+        _check_received(reader.call("buffers_cpu"), buffers, src, dst)
+    finally:
+        reader.close()
+        writer.close()
 
 
 def test_nixl_moves_one_region_per_page_run_of_a_token_major_pool(nixl_pair):

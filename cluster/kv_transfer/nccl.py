@@ -7,7 +7,7 @@ creates the communicator at the pair's first transfer (≈0.5 s, both sides bloc
 
     writer                                               receiver
     write(peer, src, dst, id, message)                   expect(peer, dst, id)
-      runs = page_runs(src, dst)                           poll: pop headers in order
+      runs = page_run_arrays(src, dst)                     poll: pop headers in order
       header {id, dst runs, message} ─▶ store queue ──────▶ match id → post the recvs
       one coalesced group: send buffer[b][src run]          one coalesced group: recv into
       for every buffer b and run ───────── NCCL ──────────▶ buffer[b][dst run]
@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from cluster.kv_transfer.base import (KVTransferBackend, KVTransferError, PeerInfo, TransferHandle,
-                                      TransferStatus, page_runs)
+                                      TransferStatus)
 
 logger = logging.getLogger(__name__)
 _STORE_CONNECT_TIMEOUT = timedelta(seconds=30)
@@ -228,15 +228,17 @@ class NcclBackend(KVTransferBackend):
                 op([t], 1 - pair.rank, 0)
             return _coalescing(pair.pg, "_end_coalescing", self.device)
 
-    def _start_write(self, handle: TransferHandle, peer: PeerInfo, src: np.ndarray, dst: np.ndarray) -> None:
+    def _start_write(self, handle: TransferHandle, peer: PeerInfo, src: np.ndarray, dst: np.ndarray,
+                     runs: tuple[np.ndarray, np.ndarray, np.ndarray], src_ready: bool) -> None:
+        # src_ready changes nothing here: the process group's sends wait for the current stream's work anyway.
         pair = self._pairs[peer.name]
         if self._check_broken(pair) is not None:
             handle.error = f"the NCCL pair with {peer.name!r} was aborted ({pair.broken}); connect again"
             return
-        runs = page_runs(src, dst)
-        header = {"id": handle.transfer_id, "runs": [[r.dst_start, r.length] for r in runs],
+        src_starts, dst_starts, lengths = (r.tolist() for r in runs)
+        header = {"id": handle.transfer_id, "runs": [list(r) for r in zip(dst_starts, lengths)],
                   "buffers": handle.buffer_ids.tolist(), "message": base64.b64encode(handle.message).decode()}
-        tensors = self._views([(r.src_start, r.length) for r in runs], handle.buffer_ids)
+        tensors = self._views(list(zip(src_starts, lengths)), handle.buffer_ids)
         try:
             pair.store.queue_push(f"hdr/{self.agent_name}", json.dumps(header))
             handle.state = self._post(pair, tensors, send=True)

@@ -4,10 +4,17 @@ Descriptors are built per transfer: one (address, bytes, device) region per buff
 pages consecutive on both sides (`page_run_arrays`), local and remote, handed to `initialize_xfer`.
 Why not lists prepared once with one descriptor per page (`prep_xfer_dlist` + indices): a page
 is one token here, so that is 10^5-10^6 descriptors per peer (memory and start-up time), and
-building them per transfer costs ~0.01 ms. What did cost time was our Python around it (~0.19 ms
-per write on the GPU host, 2× H200): write() now keeps to a few numpy calls, and a 64 MiB write
-runs at 69–71% of the GPU0→GPU1 copy, as fast as NIXL's own sequence alone in the same runs
-(67–81%; READ instead of WRITE, UCX_MAX_RMA_RAILS or UCX_RMA_ZCOPY_MAX_SEG_SIZE: no better).
+building them per transfer costs ~0.01 ms. Our Python around a write keeps to a few numpy calls.
+
+Worker threads: the UCX backend runs as NIXL's thread-pool engine (`num_threads` dedicated UCX
+workers, `split_batch_size` 1, so every WRITE is posted and progressed on a dedicated worker
+thread, which sleeps while no transfer is in flight). On NIXL's default path (shared worker,
+progress thread) a 64 MiB GPU0→GPU1 WRITE ran at 65–78% of the torch copy, whatever the
+descriptors, READ or UCX knobs; on a dedicated worker at 100–107% (2× H200, same leases,
+NIXL's call sequence alone), and a whole write() of ours, one region, at 81–85% (2× H200,
+bench_kv_transfer; the rest is our Python before the post: validation, descriptors, ~40-50 µs
+there). The completion notice is sent when the writer's poll sees the data done. Known: a WRITE
+to a peer that died leaves one UCX request object unreturned on this path (UCX warns at exit).
 
     writer (prefill)                                   receiver (decode)
     write(peer, src, dst, id) ── UCX WRITE ──────────▶ buffers[b][dst pages]
@@ -17,7 +24,8 @@ runs at 69–71% of the GPU0→GPU1 copy, as fast as NIXL's own sequence alone i
                                                         buffer ids matches)
 
 On GPU, write() records a CUDA event on the current stream and the WRITE is posted (by write
-or a later poll) once it completed, so kernels still producing the src pages finish first.
+or a later poll) once it completed, so kernels still producing the src pages finish first;
+with src_ready (a prefill replica: its first token is on the host) it is posted at once.
 
 Transports: UCX picks them from `UCX_TLS`. For host memory the backend sets the default
 `cma,tcp,self` when UCX_TLS is unset (shared-memory transports alone cannot reach a peer
@@ -42,7 +50,7 @@ import numpy as np
 import torch
 
 from cluster.kv_transfer.base import (KVTransferBackend, KVTransferError, PeerInfo, TransferHandle,
-                                      TransferStatus, page_run_arrays, transfer_digest)
+                                      TransferStatus, transfer_digest)
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +58,8 @@ _NOTIF_PREFIX = b"kv|"
 _STALE_NOTIF_S = 600.0
 """Notifications nobody expects (the expect was released first) are dropped after this long."""
 DEFAULT_CPU_UCX_TLS = "cma,tcp,self"
+DEFAULT_THREADS = 1
+"""Dedicated UCX worker threads per agent (RADIXSERVE_NIXL_THREADS overrides; 0: NIXL's shared-worker path)."""
 
 
 @dataclass
@@ -102,6 +112,9 @@ def _run_rows(bases: Sequence[int], starts: np.ndarray, lengths: np.ndarray, pag
     """(len(bases) × runs) rows (address, bytes, device id), buffer-major: runs of pages `starts[i]`..
     `starts[i] + lengths[i] - 1` in each buffer at base address `bases[b]`. A list of 3-tuples for few
     regions, else an (n, 3) int64 array (get_xfer_descs takes both)."""
+    if starts.size == 1:  # the usual handoff: Python ints, no numpy calls
+        offset, nbytes = int(starts[0]) * page_bytes, int(lengths[0]) * page_bytes
+        return [(base + offset, nbytes, dev_id) for base in bases]
     if len(bases) * starts.size <= _LIST_ROWS_MAX:
         runs = list(zip((starts * page_bytes).tolist(), (lengths * page_bytes).tolist()))
         return [(base + offset, nbytes, dev_id) for base in bases for offset, nbytes in runs]
@@ -125,9 +138,10 @@ class NixlBackend(KVTransferBackend):
     name = "nixl"
 
     def __init__(self, agent_name: str, buffers: Sequence[torch.Tensor], page_size: int,
-                 num_threads: int = 0, capture_telemetry: bool = False):
-        """`num_threads`: UCX backend worker threads (0: NIXL's default); `capture_telemetry` enables
-        `regions()`."""
+                 num_threads: int | None = None, capture_telemetry: bool = False):
+        """`num_threads`: dedicated UCX worker threads that post and progress every WRITE (None:
+        RADIXSERVE_NIXL_THREADS, else DEFAULT_THREADS; 0: NIXL's shared worker and progress thread);
+        `capture_telemetry` enables `regions()`."""
         super().__init__(agent_name, buffers, page_size)
         self._nixl = import_nixl()
         self._bases = [b.data_ptr() for b in self.buffers]
@@ -148,14 +162,25 @@ class NixlBackend(KVTransferBackend):
         if self.layout.device == "cpu":
             os.environ.setdefault("UCX_TLS", DEFAULT_CPU_UCX_TLS)
 
-    def _init_agent(self, num_threads: int, capture_telemetry: bool) -> None:
+    def _init_agent(self, num_threads: int | None, capture_telemetry: bool) -> None:
         # Without the progress thread a WRITE completes only while the receiver polls too.
         progress = os.environ.get("RADIXSERVE_NIXL_PROGRESS_THREAD", "1") != "0"
-        config = self._nixl.nixl_agent_config(enable_prog_thread=progress, backends=["UCX"],
-                                              num_threads=num_threads, capture_telemetry=capture_telemetry)
+        if num_threads is None:
+            num_threads = int(os.environ.get("RADIXSERVE_NIXL_THREADS", DEFAULT_THREADS))
+        if num_threads < 0:
+            raise KVTransferError(f"NIXL worker threads must be >= 0, got {num_threads}")
+        config = self._nixl.nixl_agent_config(enable_prog_thread=progress, backends=[],
+                                              capture_telemetry=capture_telemetry)
         self.agent = self._nixl.nixl_agent(self.agent_name, config)
-        if "UCX" not in self.agent.backends:
-            raise KVTransferError("NIXL's UCX backend plugin is not available in this installation")
+        # split_batch_size 1: a transfer of any number of descriptors goes to the dedicated workers
+        # (NIXL's default, 1024, keeps transfers of fewer descriptors on the slower shared worker).
+        params = {"num_threads": str(num_threads), "split_batch_size": "1"} if num_threads else {}
+        try:
+            self.agent.create_backend("UCX", params)
+        except Exception as e:  # the bindings raise their own exception types
+            raise KVTransferError("NIXL's UCX backend could not be created (is its plugin in this installation?): "
+                                  f"{type(e).__name__}: {e}") from e
+        self.num_threads = num_threads
         self._reg = self.agent.register_memory(self.buffers)
 
     def info(self) -> PeerInfo:
@@ -189,15 +214,16 @@ class NixlBackend(KVTransferBackend):
         self._peers.pop(peer.name, None)
 
     # ---- transfers
-    def _start_write(self, handle: TransferHandle, peer: PeerInfo, src: np.ndarray, dst: np.ndarray) -> None:
+    def _start_write(self, handle: TransferHandle, peer: PeerInfo, src: np.ndarray, dst: np.ndarray,
+                     runs: tuple[np.ndarray, np.ndarray, np.ndarray], src_ready: bool) -> None:
         header = f"{handle.transfer_id}|{transfer_digest(dst, handle.buffer_ids)}".encode()
         notif = _NOTIF_PREFIX + struct.pack("<I", len(header)) + header + handle.message
-        src_starts, dst_starts, lengths = page_run_arrays(src, dst)
+        src_starts, dst_starts, lengths = runs
         page_bytes = self.layout.page_bytes
         write = _Write(_run_rows(self._bases, src_starts, lengths, page_bytes, self._dev_id),
                        _run_rows(peer.buffer_addrs, dst_starts, lengths, page_bytes,
                                  _device_index(peer.layout.device)), notif)
-        if self.layout.device != "cpu":  # post once the work queued so far (the src pages' producer) is done
+        if self.layout.device != "cpu" and not src_ready:  # post once the work queued so far is done
             write.ready = self._events.pop() if self._events else torch.cuda.Event()
             write.ready.record(torch.cuda.current_stream(self.buffers[0].device))
         handle.state = write
