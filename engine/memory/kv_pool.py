@@ -12,7 +12,7 @@ every attention backend indexes them by slot exactly as it would index per-layer
 Why token-major: a run of consecutive slots is ONE contiguous byte range across all layers, so a KV handoff
 (cluster/kv_transfer) moves it as one region instead of 2 × num_layers regions (measured on 2× H200, 64 MiB:
 per-layer buffers in runs of 8 pages, 256 regions, ran at 14% of the GPU0→GPU1 copy; this layout, one region,
-at 81–85%, and 93–97% at 256 MiB; bench_kv_transfer's "nixl alone" row measures NIXL's own sequence beside ours).
+at 81–85% (best of 30–50), and 93–97% at 256 MiB; bench_kv_transfer's "nixl alone" row measures NIXL's own sequence beside ours).
 
 Slots [0, page_size) (page 0) are never handed out: they absorb writes of padded tokens (CUDA-graph padding)
 so real pages stay intact.
