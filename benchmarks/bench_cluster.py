@@ -35,7 +35,7 @@ import shlex
 import socket
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import httpx
 
@@ -50,12 +50,17 @@ COMPARED = (("server_cache_hit_rate", "cache hit rate"), ("request_throughput", 
             ("itl_ms.p50", "ITL p50 ms"), ("itl_ms.p99", "ITL p99 ms"))
 
 
-def _metric(summary: Dict[str, Any], key: str) -> float:
-    """summary[key], with "a.b" reading summary[a][b]; 0.0 when absent."""
+def lookup(summary: Dict[str, Any], key: str) -> Optional[float]:
+    """summary[key], with "a.b" reading summary[a][b]; None when absent."""
     value: Any = summary
     for part in key.split("."):
         value = value.get(part) if isinstance(value, dict) else None
-    return float(value or 0.0)
+    return None if value is None else float(value)
+
+
+def _metric(summary: Dict[str, Any], key: str) -> float:
+    """lookup(), 0.0 when absent."""
+    return lookup(summary, key) or 0.0
 
 
 def _gpu_count() -> int:

@@ -24,6 +24,7 @@ import tempfile
 from typing import Any, Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_cluster import lookup  # noqa: E402
 from bench_offline import hardware, result_path  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -38,13 +39,6 @@ DEFAULT_CLUSTER_ARGS = [
 ROWS = (("ttft_ms.mean", "TTFT mean ms"), ("ttft_ms.p50", "TTFT p50 ms"), ("ttft_ms.p99", "TTFT p99 ms"),
         ("itl_ms.p50", "ITL p50 ms"), ("request_throughput", "req/s"),
         ("ttft_split_ms.route_rpc_ms", "routing call ms"), ("ttft_split_ms.first_message_ms", "call→1st msg ms"))
-
-
-def _get(summary: Dict[str, Any], key: str) -> float | None:
-    value: Any = summary
-    for part in key.split("."):
-        value = value.get(part) if isinstance(value, dict) else None
-    return None if value is None else float(value)
 
 
 def run_proxy(proxy: str, cluster_args: List[str]) -> Dict[str, Any]:
@@ -76,7 +70,7 @@ def main() -> None:
     print(f"\n{'workload':<16}{'metric':<18}" + "".join(f"{n:>14}" for n in names))
     for wl in workloads:
         for key, label in ROWS:
-            values = [_get(runs[n][wl], key) for n in names]
+            values = [lookup(runs[n][wl], key) for n in names]
             print(f"{wl:<16}{label:<18}" + "".join("{:>14}".format("n/a" if v is None else f"{v:.2f}")
                                                     for v in values))
     hw = hardware()
