@@ -8,11 +8,13 @@ Data flow (unified mode) and who owns each stage:
         │ Router.route(input_ids, rid) ─────────▶ RouterDeployment (router/router.py, 1 replica)
         │      ◀── RoutingDecision(worker_id)          ClusterState + policy (router/state.py,
         │                                              policies.py, tree.py)
-        │ Worker.generate, pinned to worker_id ─▶ Worker (worker.py): engine.Engine
-        │      ◀── one message per engine step         (PinnedRequestRouter, pinning.py, obeys
-        │          (all new token ids of that step)     session_id = replica unique_id)
-        │ detokenize + stop strings (text.py); a stop ends the stream (the worker aborts it)
-        │ Router.finish(worker_id) when the stream ends or is cancelled
+        │ Worker.submit, pinned to worker_id ──▶ Worker (worker.py): engine.Engine, its core in a
+        │                                          process of its own (PinnedRequestRouter, pinning.py,
+        │                                          obeys session_id = replica unique_id)
+        │ WorkerStream ◀── Worker.outputs: ONE stream per (ingress replica, worker), one message per
+        │      engine step with the new token ids of every request of that ingress there
+        │ detokenize + stop strings (engine/text.py); a stop aborts the request on the worker
+        │ Router.finish(worker_id) when the request ends or is cancelled
         ▼ text → JSON / SSE
     RouterDeployment control loop (every report_interval_s):
         membership ◀── membership.py (the worker replica set Serve's controller broadcasts to the
@@ -25,11 +27,11 @@ Data flow (unified mode) and who owns each stage:
     behind the admin key ─▶ RouterDeployment.admin_* ─▶ PoolScaler
 
 Disaggregated mode (disaggregated.py): the ingress asks Router.route_pair for a prefill and a
-decode replica and streams from the decode replica, which reserves KV pages, calls the prefill
+decode replica and reads from its stream from the decode replica, which reserves KV pages, calls the prefill
 replica (pinned) to compute the prompt and write its KV pages into them through kv_transfer/
 (NIXL or NCCL), then decodes. Failures before the first token are retried on a new pair.
 
-Token streams go worker → ingress, never through the router. Aborts: a client disconnect
-closes the backend stream, which cancels the Ray generator; Serve cancels the worker's
-generator and the engine frees the request's pages. Configuration: config.py (ClusterArgs).
+Token streams go worker → ingress, never through the router (docs/serving-path.md). Aborts: a
+client disconnect closes the backend stream; the ingress calls Worker.abort and the engine frees the
+request's pages. Configuration: config.py (ClusterArgs).
 """

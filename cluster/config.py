@@ -127,13 +127,17 @@ class _ClusterFields(BaseModel):
 
 
 def _engine_fields() -> Dict[str, Any]:
-    """One pydantic field per EngineConfig field (type, default and help text copied)."""
+    """One pydantic field per EngineConfig field (type and help text copied; the default is the server's,
+    serving.__main__.SERVER_DEFAULTS, where it differs from the library's)."""
+    from serving.__main__ import SERVER_DEFAULTS
+
     hints = typing.get_type_hints(EngineConfig)
     out: Dict[str, Any] = {}
     for f in dataclasses.fields(EngineConfig):
         if f.name in _NOT_EXPOSED:
             continue
-        out[f.name] = (hints[f.name], Field(f.default, description=f"Engine: {f.metadata.get('help', f.name)}"))
+        default = SERVER_DEFAULTS.get(f.name, f.default)
+        out[f.name] = (hints[f.name], Field(default, description=f"Engine: {f.metadata.get('help', f.name)}"))
     return out
 
 
@@ -178,6 +182,9 @@ class _Validated(_ClusterFields):
         given = sorted(set(wrong) & self.model_fields_set)
         if given:
             raise ValueError(f"{', '.join(given)} not used with mode={self.mode}")
+        if self.mode == "disaggregated" and "core_process" in self.model_fields_set and self.core_process:
+            raise ValueError("core_process is not supported with mode=disaggregated yet: the KV transfer "
+                             "registers the engine's KV pool from the worker's own process")
         if self.admin_api_key is not None and self.admin_api_key == self.api_key:
             raise ValueError("admin_api_key must differ from api_key")
         return self
@@ -209,7 +216,10 @@ class _Validated(_ClusterFields):
 
     def engine_options(self) -> Dict[str, Any]:
         """EngineConfig keyword arguments of every worker (without model / enable_cache_events)."""
-        return {name: getattr(self, name) for name in ENGINE_OPTIONS}
+        options = {name: getattr(self, name) for name in ENGINE_OPTIONS}
+        if self.mode == "disaggregated":  # the KV transfer needs the KV pool in the worker's process
+            options["core_process"] = False
+        return options
 
     def model_name(self) -> str:
         if self.served_model_name:

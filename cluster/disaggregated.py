@@ -6,7 +6,7 @@ One request (DESIGN §1):
       1. Router.route_pair(input_ids) ─▶ PairDecision(prefill replica, decode replica)
       2. PrefillWorker.start_prefill(input_ids, params, rid, key), pinned, not awaited (early_prefill):
            the engine starts computing the prompt now; the result waits on the replica under `key`
-      3. DecodeWorker.generate_disaggregated(input_ids, params, rid, prefill_id, key), streamed, pinned:
+      3. DecodeWorker.submit_disaggregated(input_ids, params, rid, prefill_id, key, ...), pinned:
            engine reserves destination pages (after matching its own radix cache) ─▶ KVReservation
            expect(prefill peer, dst pages, transfer id)                       (cluster.kv_transfer)
            PrefillWorker.prefill(input_ids, params + seed, rid, TransferTarget), pinned:
@@ -17,7 +17,9 @@ One request (DESIGN §1):
            the transfer arrives with the handoff (usually before the call returns: go on then; a
            handoff too large for a message comes with the call's result); the engine appends the
            first token and decodes
-         ◀── coalesced StreamOutputs of token ids; the ingress makes the text (cluster/text.py)
+         ◀── StreamOutputs of token ids on the ingress's batched stream from the decode replica
+             (cluster.worker: one message per engine step for all its requests); the ingress makes
+             the text (engine/text.py)
       4. Router.finish for both replicas
 
 Why step 2: the decode replica's reservation and its call to the prefill replica take ~6 ms (2× H200)
@@ -45,14 +47,14 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Dict, List, Optional
 
 import numpy as np
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
+from ray.exceptions import ActorDiedError, ActorUnavailableError
 
 from cluster.early_prefill import StartedPrompts
-from cluster.ingress import STREAM_OPTIONS, ClusterBackend, _awaited, _unwrap
+from cluster.ingress import ClusterBackend, _awaited, _unwrap
 from cluster.kv_transfer import MAX_MESSAGE_BYTES, PeerInfo, kv_pool_buffers, make_backend
 from cluster.latency import RequestClock
-from cluster.text import OutputText
-from cluster.worker import Worker
+from cluster.worker import WorkerBase, WorkerItem, WrongReplicaError
+from engine.text import OutputText
 
 logger = logging.getLogger("ray.serve")
 
@@ -73,11 +75,6 @@ class PrefillFailedError(RuntimeError):
 
     def __reduce__(self):
         return (PrefillFailedError, (str(self), self.prefill_id, self.prefill_dead))
-
-
-class WrongReplicaError(RuntimeError):
-    """A pinned prefill call reached another replica (the named one left): the transfer would come from
-    an unexpected peer, so it is refused at once."""
 
 
 @dataclass(frozen=True)
@@ -152,12 +149,12 @@ class _KVEndpoint:
         return self.transfer.info()
 
 
-class PrefillWorker(_KVEndpoint, Worker):
+class PrefillWorker(_KVEndpoint, WorkerBase):
     """A replica of the prefill pool: computes prompts and writes their KV into decode replicas."""
 
     async def __init__(self, model: Optional[str], engine_options: Dict[str, Any], kv_transfer: str,
                        transfer_timeout_s: float):
-        Worker.__init__(self, model, engine_options)
+        WorkerBase.__init__(self, model, engine_options)
         self._init_transfer("prefill", kv_transfer, transfer_timeout_s)
         self.started = StartedPrompts(self.engine, self.engine.runner.kv_pool.num_slots // 2, transfer_timeout_s)
         """Prompts the ingress started here (early_prefill), at most half the KV pool's tokens."""
@@ -207,12 +204,12 @@ class PrefillWorker(_KVEndpoint, Worker):
         return PrefillResult(handoff, computed - start, time.perf_counter() - computed, entered_at, time.time())
 
 
-class DecodeWorker(_KVEndpoint, Worker):
+class DecodeWorker(_KVEndpoint, WorkerBase):
     """A replica of the decode pool: receives prompts' KV from prefill replicas and decodes."""
 
     async def __init__(self, model: Optional[str], engine_options: Dict[str, Any], prefill, kv_transfer: str,
                        transfer_timeout_s: float):
-        Worker.__init__(self, model, engine_options)
+        WorkerBase.__init__(self, model, engine_options)
         self._init_transfer("decode", kv_transfer, transfer_timeout_s)
         self.prefill_pool = prefill
         """DeploymentHandle of the prefill pool (calls pinned by session_id)."""
@@ -220,27 +217,53 @@ class DecodeWorker(_KVEndpoint, Worker):
         self._handoff = dict.fromkeys(HANDOFF_COUNTERS, 0.0)
         self._calls: set = set()
         """Prefill calls not yet returned."""
+        self._pumps: Dict[str, "asyncio.Task"] = {}
+        """rid → the task moving its engine stream into its ingress's channel."""
 
     def _extra_stats(self) -> Dict[str, float]:
         return {**super()._extra_stats(), **self._handoff}
 
-    async def generate(self, input_ids: List[int], params: Any, rid: str) -> AsyncIterator[List[Any]]:
-        raise TypeError("decode replicas serve generate_disaggregated (mode=disaggregated)")
-        yield  # pragma: no cover - makes this an async generator like Worker.generate
-
-    async def generate_disaggregated(self, input_ids: List[int], params: Any, rid: str, prefill_id: str,
-                                     early_key: str = "") -> AsyncIterator[List[Any]]:
-        """Stream the request like Worker.generate, its prompt computed by prefill replica `prefill_id`
-        (started there by the ingress under `early_key`, if not "")."""
-
+    async def submit_disaggregated(self, input_ids: List[int], params: Any, rid: str, prefill_id: str,
+                                   early_key: str, ingress_id: str, replica_id: str) -> None:
+        """Start a request whose prompt prefill replica `prefill_id` computes (started there by the ingress
+        under `early_key`, if not ""); its outputs go to the stream of `ingress_id` (see WorkerBase)."""
+        self._check_replica(replica_id)
+        if self._aborted_before_submit(rid):
+            return
+        channel = self._channel(ingress_id)
+        self._served.append(rid)
         arrived = time.perf_counter()
 
         async def remote_prefill(reservation):
             self._handoff["handoff_reserve_s"] += time.perf_counter() - arrived
             return await self._remote_prefill(input_ids, params, rid, prefill_id, reservation, early_key)
 
-        async for batch in self._stream(input_ids, params, rid, remote_prefill=remote_prefill):
-            yield batch
+        async def pump() -> None:
+            first = True
+            try:
+                async for out in self.engine.generate_stream(input_ids, params, rid=rid,
+                                                             remote_prefill=remote_prefill):
+                    if first:
+                        first = False
+                        self._count_first_output(arrived)
+                    channel.put(WorkerItem(rid, output=out))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the ingress retries or reports it
+                channel.put(WorkerItem(rid, error=exc))
+            finally:
+                channel.rids.discard(rid)
+                self._pumps.pop(rid, None)
+
+        channel.rids.add(rid)
+        self._pumps[rid] = asyncio.ensure_future(pump())
+
+    def abort(self, rid: str) -> None:
+        """Abort request (or choice) `rid` here: its stream stops, the engine frees its pages."""
+        pump = self._pumps.pop(rid, None)
+        if pump is not None:
+            pump.cancel()  # generate_stream's end aborts the request (and a remote prefill in flight)
+        super().abort(rid)
 
     async def _remote_prefill(self, input_ids, params, rid: str, prefill_id: str, reservation,
                               early_key: str) -> Any:
@@ -345,39 +368,45 @@ class DisaggregatedBackend(ClusterBackend):
             text = OutputText(self.tokenizer, input_ids, params)
             pair = await self._ask_router(self.router.route_pair.remote(input_ids, rid),
                                           lambda late: self._finish_pair(late, RequestClock()))
-            streamed, clock = False, RequestClock()
+            streamed, clock, running = False, RequestClock(), params.n
+            decode_id = pair.decode.worker_id
             early_key = self._start_prefill(input_ids, params, rid, pair.prefill.worker_id, attempt)
-            decode = self.workers.options(session_id=pair.decode.worker_id, **STREAM_OPTIONS)
-            gen = decode.generate_disaggregated.remote(input_ids, params, rid, pair.prefill.worker_id, early_key)
-            self._active[rid] = gen
+            stream = self.stream_from(decode_id)
+            queue = stream.open(rid)
+            self._active[rid] = decode_id
+            self._on_failure(self.workers.options(session_id=decode_id).submit_disaggregated.remote(
+                input_ids, params, rid, pair.prefill.worker_id, early_key, self.ingress_id, decode_id), rid, queue)
             try:
-                async for chunk in gen:
-                    clock.on_chunk(chunk)
-                    for out in self._with_text(text, chunk, pair.decode.worker_id, rid, params.n):
+                while True:
+                    item = await queue.get()
+                    if item.error is not None:
+                        raise item.error
+                    clock.on_chunk((item.output,))
+                    running -= item.output.finish_reason is not None
+                    out = self._with_text(text, item.output, decode_id, rid, params.n)
+                    if out is not None:
                         streamed = True
                         yield out
                     if text.finished:
-                        return  # stopped here: closing the stream aborts it on the decode replica
-                return
-            except (RayTaskError, ActorDiedError, ActorUnavailableError) as exc:
+                        return
+            except Exception as exc:  # noqa: BLE001 - retried before the first token, else raised
                 cause = _unwrap(exc)
                 retry = not streamed and attempt < MAX_ATTEMPTS and (
-                    isinstance(cause, PrefillFailedError) or _is_dead(cause))
+                    isinstance(cause, (PrefillFailedError, WrongReplicaError)) or _is_dead(cause))
                 await self._report_failure(pair, cause)
                 if not retry:
                     raise cause from None
                 logger.warning("request %s: attempt %d failed before streaming (%r); retrying on a new pair",
                                rid, attempt, cause)
             finally:
-                try:
-                    if self._active.pop(rid, None) is not None:
-                        gen.cancel()
-                finally:  # as in ClusterBackend.generate_stream
-                    self.latency.on_request(clock)
-                    self._finish_pair(pair, clock)
-                    if early_key and not streamed:  # claimed already if a token came; else drop it now
-                        self._send(self.prefill_pool.options(session_id=pair.prefill.worker_id)
-                                   .forget_prefill.remote(early_key))
+                stream.close(rid)
+                if self._active.pop(rid, None) is not None and running:  # still generating there
+                    self._abort_on(decode_id, rid)
+                self.latency.on_request(clock)
+                self._finish_pair(pair, clock)
+                if early_key and not streamed:  # claimed already if a token came; else drop it now
+                    self._send(lambda: self.prefill_pool.options(session_id=pair.prefill.worker_id)
+                               .forget_prefill.remote(early_key))
 
     def _start_prefill(self, input_ids: List[int], params: Any, rid: str, prefill_id: str, attempt: int) -> str:
         """Start the prompt on its prefill replica (not awaited); returns the key its decode replica's
@@ -385,7 +414,7 @@ class DisaggregatedBackend(ClusterBackend):
         if self.prefill_pool is None or params.n != 1:  # n > 1 is refused by the decode replica
             return ""
         key = f"{rid}@{attempt}.{uuid.uuid4().hex[:6]}"
-        self._send(self.prefill_pool.options(session_id=prefill_id).start_prefill.remote(
+        self._send(lambda: self.prefill_pool.options(session_id=prefill_id).start_prefill.remote(
             input_ids, params, rid, key, prefill_id))
         return key
 
@@ -405,5 +434,5 @@ class DisaggregatedBackend(ClusterBackend):
     def _finish_pair(self, pair: Any, clock: RequestClock) -> None:
         timing = clock.timing()  # TTFT concerns the prefill pool, ITL the decode pool: both get both
         for worker_id, pool in ((pair.prefill.worker_id, "prefill"), (pair.decode.worker_id, "decode")):
-            self._send(self.router.finish.remote(worker_id, pool=pool, timing=timing))
+            self._send(lambda: self.router.finish.remote(worker_id, pool=pool, timing=timing))
 

@@ -3,48 +3,57 @@
     HTTP ─▶ serving.build_app routes (validate, chat template, tokenize ONCE)
          ─▶ ClusterBackend.generate_stream(input_ids, params, rid)
               1. Router.route(input_ids, rid) ─▶ RoutingDecision (one small RPC)
-              2. Worker.generate, pinned to decision.worker_id (session_id + PinnedRequestRouter),
-                 streamed: one Ray message per engine step of token ids, unpacked into StreamOutputs
-                 and detokenized here, stop strings included (cluster/text.py)
-              3. Router.finish(worker_id) when the stream ends, fails or is cancelled
+              2. Worker.submit(input_ids, params, rid, ...), pinned to decision.worker_id (session_id +
+                 PinnedRequestRouter); the outputs arrive on this replica's one stream from that worker
+                 (WorkerStream: Worker.outputs, one Ray message per engine step for all of this
+                 replica's requests there), are routed to the request's queue by rid, and detokenized
+                 here, stop strings included (engine/text.py)
+              3. Router.finish(worker_id) when the request ends, fails or is cancelled
     GET /router/stats ─▶ Router.stats() (+ this replica's route-RPC latency)
     GET /metrics      ─▶ serving metrics of this replica + per-worker gauges labelled by replica
 
-Aborts: serving closes the backend stream on client disconnect; closing it cancels the Ray
-generator, Serve cancels the worker's generator, and the engine aborts the request. Ingress
-replicas hold no routing state (it lives in the router deployment), so they scale freely.
+Aborts: serving closes the backend stream on client disconnect; the request is then aborted on its
+worker (Worker.abort), which frees its KV pages. A request whose worker left before anything was
+streamed is routed again (MAX_ROUTE_ATTEMPTS). Ingress replicas hold no routing state (it lives in
+the router deployment), so they scale freely.
 """
 import asyncio
+import contextvars
 import time
+import uuid
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 
 from fastapi import FastAPI
 from prometheus_client.core import GaugeMetricFamily
 from ray import serve
-from ray.exceptions import RayTaskError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
 
 from cluster.latency import IngressLatency, RequestClock
 from cluster.router.policies import NoWorkersError
-from cluster.text import OutputText
+from cluster.worker import WorkerItem, WrongReplicaError
+from engine.text import OutputText
 from serving.backend import ServingBackend
 from serving.errors import APIError
 
 _RPC_TIMEOUT_S = 120.0
+MAX_ROUTE_ATTEMPTS = 3
+"""Routings per request while its worker is gone before it streamed anything."""
 
 STREAM_OPTIONS = {"stream": True, "_by_reference": False}
-"""Handle options of the token streams from workers. `_by_reference=False` sends each message over
-Serve's gRPC transport instead of through the object store: about twice the messages per second
-(RAY_SERVE_NOTES §3), and a worker sends one message per running request per engine step. On one
-H100 (Llama-3.1-8B dummy weights, 64 requests in flight: ~3.4k messages/s) the cluster went from
-0.44× of the bare engine's throughput to 0.84× with this, and to 0.92× with Serve's Python HTTP proxy's
-handle to the ingress on gRPC as well (RAY_SERVE_USE_GRPC_BY_DEFAULT=1, which deploy/serve.sh and the
-image set; benchmarks/bench_overhead.py). They also put HAProxy in front (RAY_SERVE_ENABLE_HA_PROXY=1),
-which sends HTTP straight to an ingress replica: no Serve hop before the ingress at all."""
+"""Handle options of the batched streams from workers: each message goes over Serve's gRPC transport
+instead of through the object store (about twice the messages per second)."""
 
 
 async def _awaited(call: Any) -> Any:
     """The result of a DeploymentResponse, as a coroutine (so that it can run as a task)."""
     return await call
+
+
+def _detached(fn: Callable[[], Any]) -> Any:
+    """fn() run outside the current request's context. Serve cancels the calls an ingress request has in
+    flight when that request is cancelled (a client disconnect); a stream that serves many requests, and
+    the calls that clean up after one (abort, finish), must not be among them."""
+    return contextvars.Context().run(fn)
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -53,15 +62,74 @@ def _unwrap(exc: BaseException) -> BaseException:
     return cause if isinstance(cause, BaseException) else exc
 
 
+def _worker_gone(exc: BaseException) -> bool:
+    return isinstance(exc, (ActorDiedError, ActorUnavailableError, WrongReplicaError))
+
+
+class WorkerStream:
+    """This ingress replica's one stream from one worker replica: outputs of all its requests there.
+
+    `open(rid)` gives the queue that the request's WorkerItems go to (registered before the request is
+    submitted, so nothing is missed); `close(rid)` forgets it. When the stream fails (the worker died or
+    left), every open request gets the error and `on_end` drops this stream (the next request opens a
+    new one)."""
+
+    def __init__(self, workers: Any, worker_id: str, ingress_id: str, on_end: Callable[["WorkerStream"], None]):
+        self.worker_id = worker_id
+        self.queues: Dict[str, asyncio.Queue] = {}
+        self.error: Optional[BaseException] = None
+        self._on_end = on_end
+        self._gen, self._task = _detached(lambda: self._start(workers, ingress_id))
+
+    def _start(self, workers: Any, ingress_id: str) -> tuple:
+        gen = workers.options(session_id=self.worker_id, **STREAM_OPTIONS).outputs.remote(ingress_id, self.worker_id)
+        return gen, asyncio.ensure_future(self._read(gen))
+
+    def open(self, rid: str) -> "asyncio.Queue[WorkerItem]":
+        queue: asyncio.Queue = asyncio.Queue()
+        if self.error is not None:
+            queue.put_nowait(WorkerItem(rid, error=self.error))
+        self.queues[rid] = queue
+        return queue
+
+    def close(self, rid: str) -> None:
+        self.queues.pop(rid, None)
+
+    async def _read(self, gen: Any) -> None:
+        try:
+            async for batch in gen:
+                for item in batch:
+                    queue = self.queues.get(item.rid)
+                    if queue is not None:
+                        queue.put_nowait(item)
+            error: BaseException = ActorUnavailableError(f"the stream from worker {self.worker_id} ended")
+        except asyncio.CancelledError:
+            error = ActorUnavailableError(f"the stream from worker {self.worker_id} was cancelled")
+        except Exception as exc:  # noqa: BLE001 - handed to every request on this worker
+            error = _unwrap(exc)
+        self.error = error
+        self._on_end(self)
+        for rid, queue in list(self.queues.items()):
+            queue.put_nowait(WorkerItem(rid, error=error))
+
+    def cancel(self) -> None:
+        self._gen.cancel()
+        self._task.cancel()
+
+
 class ClusterBackend(ServingBackend):
     """A ServingBackend whose requests run on the worker the router chose."""
 
     def __init__(self, router, workers, tokenizer: Any, context_len: int, vocab_size: int):
         self.router, self.workers = router, workers
         self.tokenizer, self.context_len, self._vocab_size = tokenizer, context_len, vocab_size
-        self._active: Dict[str, Any] = {}
+        self.ingress_id = uuid.uuid4().hex
+        """Names this backend's streams on the workers."""
+        self._streams: Dict[str, WorkerStream] = {}
+        self._active: Dict[str, str] = {}
+        """rid → worker id of requests streaming now (abort() reaches them there)."""
         self._sent: set = set()
-        """Calls in flight that nobody awaits (router.finish, a choice's abort)."""
+        """Calls in flight that nobody awaits (router.finish, aborts)."""
         self.latency = IngressLatency()
         """This replica's routing-call and call → first message times (GET /router/stats, "ingress")."""
         self.last_stats: Optional[Any] = None
@@ -92,60 +160,99 @@ class ClusterBackend(ServingBackend):
         self.latency.on_route((time.perf_counter() - start) * 1e3)
         return decision
 
+    def stream_from(self, worker_id: str, workers: Any = None) -> WorkerStream:
+        """This replica's stream from `worker_id` (opened on first use)."""
+        stream = self._streams.get(worker_id)
+        if stream is None:
+            stream = self._streams[worker_id] = WorkerStream(workers or self.workers, worker_id, self.ingress_id,
+                                                             self._stream_ended)
+        return stream
+
+    def _stream_ended(self, stream: WorkerStream) -> None:
+        if self._streams.get(stream.worker_id) is stream:
+            del self._streams[stream.worker_id]
+
     async def generate_stream(self, input_ids: List[int], params: Any, rid: str) -> AsyncIterator[Any]:
         text = OutputText(self.tokenizer, input_ids, params)  # before routing: nothing to finish if it raises
-        decision = await self._ask_router(self.router.route.remote(input_ids, rid),
-                                          lambda late: self._finish(late.worker_id))
-        gen = self.workers.options(session_id=decision.worker_id, **STREAM_OPTIONS).generate.remote(
-            input_ids, params, rid)
-        self._active[rid] = gen
-        clock = RequestClock()  # the worker call → first message (the routing call is timed apart)
-        try:
-            async for chunk in gen:
-                clock.on_chunk(chunk)
-                for out in self._with_text(text, chunk, decision.worker_id, rid, params.n):
-                    yield out
-                if text.finished:
-                    return  # the last choice stopped here: closing the stream aborts it on the worker
-        except RayTaskError as exc:
-            raise _unwrap(exc) from None
-        finally:
+        for attempt in range(1, MAX_ROUTE_ATTEMPTS + 1):
+            decision = await self._ask_router(self.router.route.remote(input_ids, rid),
+                                              lambda late: self._finish(late.worker_id))
+            worker_id, streamed, running = decision.worker_id, False, params.n
+            stream = self.stream_from(worker_id)
+            queue = stream.open(rid)
+            clock = RequestClock()  # the worker call → first message (the routing call is timed apart)
+            self._active[rid] = worker_id
+            submit = self.workers.options(session_id=worker_id).submit.remote(
+                input_ids, params, rid, self.ingress_id, worker_id)
+            self._on_failure(submit, rid, queue)
             try:
-                if self._active.pop(rid, None) is not None:
-                    gen.cancel()
-            finally:  # the router hears of the end even if cancelling raised (serving's close swallows it)
+                while True:
+                    item = await queue.get()
+                    if item.error is not None:
+                        raise item.error
+                    clock.on_chunk((item.output,))
+                    running -= item.output.finish_reason is not None
+                    out = self._with_text(text, item.output, worker_id, rid, params.n)
+                    if out is not None:
+                        streamed = True
+                        yield out
+                    if text.finished:
+                        return
+            except Exception as exc:  # noqa: BLE001 - a worker that left before streaming: route again
+                cause = _unwrap(exc)
+                if streamed or attempt == MAX_ROUTE_ATTEMPTS or not _worker_gone(cause):
+                    raise cause from None
+                await self._report_dead(worker_id)
+            finally:
+                stream.close(rid)
+                if self._active.pop(rid, None) is not None and running:  # still generating there
+                    self._abort_on(worker_id, rid)
                 self.latency.on_request(clock)
-                self._finish(decision.worker_id, timing=clock.timing())
+                self._finish(worker_id, timing=clock.timing())
 
-    def _with_text(self, text: OutputText, chunk: List[Any], worker_id: str, rid: str, n: int) -> List[Any]:
-        """The worker's outputs with their text (OutputText); a choice of several that a stop string ended
-        here is aborted on the worker (a lone choice ends with the stream)."""
-        outs = []
-        for raw in chunk:
-            out = text.apply(raw)
-            if out is None:
-                continue
-            outs.append(out)
-            if n > 1 and text.stopped_here(out) and not text.finished:
-                self._abort_choice(worker_id, f"{rid}#{out.index}")
-        return outs
+    def _on_failure(self, call: Any, rid: str, queue: "asyncio.Queue[WorkerItem]") -> None:
+        """A submit that raises (invalid request, wrong replica) ends the request with its error."""
+        task = asyncio.ensure_future(_awaited(call))
+        self._sent.add(task)
 
-    def _abort_choice(self, worker_id: str, engine_rid: str) -> None:
-        self._send(self.workers.options(session_id=worker_id).abort.remote(engine_rid))
+        def done(t: "asyncio.Task") -> None:
+            self._sent.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                queue.put_nowait(WorkerItem(rid, error=_unwrap(t.exception())))
+        task.add_done_callback(done)
+
+    def _with_text(self, text: OutputText, raw: Any, worker_id: str, rid: str, n: int) -> Optional[Any]:
+        """The worker's output with its text (OutputText); a choice of several that a stop string ended
+        here is aborted on the worker (a lone choice is aborted when the request ends)."""
+        out = text.apply(raw)
+        if out is not None and n > 1 and text.stopped_here(out) and not text.finished:
+            self._abort_on(worker_id, f"{rid}#{out.index}")
+        return out
+
+    async def _report_dead(self, worker_id: str, pool: str = "unified") -> None:
+        """Tell the router a worker is gone so that the next routing avoids it."""
+        try:
+            await asyncio.wait_for(self.router.report_dead.remote(worker_id, pool), 10)
+        except Exception:  # noqa: BLE001 - the router's own polling purges it too
+            pass
+
+    def _abort_on(self, worker_id: str, engine_rid: str) -> None:
+        self._send(lambda: self.workers.options(session_id=worker_id).abort.remote(engine_rid))
 
     def _finish(self, worker_id: str, timing: Any = None) -> None:
-        self._send(self.router.finish.remote(worker_id, timing=timing))
+        self._send(lambda: self.router.finish.remote(worker_id, timing=timing))
 
-    def _send(self, call: Any) -> None:
-        """Let a call run without awaiting its answer (referenced until it completes)."""
-        task = asyncio.ensure_future(call)
+    def _send(self, make_call: Callable[[], Any]) -> None:
+        """Make a call and let it run without awaiting its answer (referenced until it completes), outside
+        the request's context: it must happen even when the request is being cancelled."""
+        task = _detached(lambda: asyncio.ensure_future(_awaited(make_call())))
         self._sent.add(task)
         task.add_done_callback(self._sent.discard)
 
     def abort(self, rid: str) -> None:
-        gen = self._active.pop(rid, None)
-        if gen is not None:
-            gen.cancel()
+        worker_id = self._active.pop(rid, None)
+        if worker_id is not None:
+            self._abort_on(worker_id, rid)
 
     async def cluster_stats(self) -> Any:
         self.last_stats = await asyncio.wait_for(self.router.stats.remote(), 30)

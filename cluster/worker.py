@@ -1,26 +1,42 @@
-"""Worker: one engine.Engine per Serve replica (the unified pool).
+"""Worker: one engine.Engine per Serve replica (the unified pool), streaming to each ingress in batches.
 
-    ingress ──generate(input_ids, params, rid), pinned by session_id──▶ Worker.generate
-        ◀── List[StreamOutput] per message: everything the engine produced since the last one
-            (token ids, logprobs, finish; no text: the ingress detokenizes and checks stop strings,
-            and aborts a choice it stopped with abort(rid))
+    ingress ──outputs(ingress_id, replica_id), streamed, pinned──▶ Worker.outputs: ONE long-lived stream
+        ◀── List[WorkerItem] per message: every request of that ingress here, everything the engine
+            produced since the last message (token ids, logprobs, finish; no text: the ingress
+            detokenizes and checks stop strings, and aborts a choice it stopped with abort(rid))
+    ingress ──submit(input_ids, params, rid, ingress_id, replica_id), pinned──▶ starts a request
+    ingress ──abort(rid)──▶ the request (or choice "<rid>#<i>") is aborted, its pages freed
     router  ──report() every report_interval_s, pinned──▶ WorkerReport (load + drained cache events)
 
-Coalescing: a pump task moves the engine's StreamOutputs into a queue; each yielded message
-takes all that is queued (at least one engine step's outputs, more when the caller lags), so Ray
-pays its per-message cost once per step, not per token (RAY_SERVE_NOTES §3).
+Batching: the engine core sends one message per step for all its requests; the engine front end
+hands each request's outputs to the channel of the ingress that submitted it (OutputChannel), and
+the ingress's stream takes everything queued as one message. So Ray Serve carries one message per
+engine step per ingress replica, not one per request (nor per token).
 
-Aborts: when the caller cancels the stream (client disconnect), Serve cancels this generator;
-its `finally` cancels the pump, whose engine stream aborts the request and frees its KV pages.
+Where the engine runs: the engine's core (scheduler, model, KV) is a process of its own
+(EngineConfig.core_process, on in the cluster), so this replica's event loop — Serve's RPCs, the
+channels — never delays a step.
+
+Failures: an ingress whose stream ends (it went away) has its requests here aborted. A request
+pinned to a replica that left reaches another one, which refuses it (WrongReplicaError) so that the
+ingress retries elsewhere.
 """
 import asyncio
 import collections
-import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Dict, List, Optional
+from typing import Any, AsyncIterator, Dict, List, Optional, Set
 
 from ray import serve
+
+logger = logging.getLogger("ray.serve")
+
+MAX_EARLY_ABORTS = 4096
+
+
+class WrongReplicaError(RuntimeError):
+    """A call pinned to one replica reached another (the named one left): refused at once."""
 
 
 @dataclass(frozen=True)
@@ -28,6 +44,16 @@ class WorkerInfo:
     replica_id: str
     context_len: int
     vocab_size: int
+
+
+@dataclass(frozen=True)
+class WorkerItem:
+    """One request's news in a worker's stream to an ingress: an output, or the error that ended it."""
+    rid: str
+    """The rid the ingress submitted (for n > 1, every choice's outputs carry it; output.index tells them apart)."""
+    output: Any = None
+    """engine.outputs.StreamOutput (token ids, text "")."""
+    error: Optional[BaseException] = None
 
 
 @dataclass(frozen=True)
@@ -46,100 +72,154 @@ class WorkerReport:
     time: float = 0.0
 
 
-class Worker:
+class OutputChannel:
+    """What this worker has for one ingress replica, taken a batch at a time (one Serve message each)."""
+
+    def __init__(self) -> None:
+        self._items: List[WorkerItem] = []
+        self._ready = asyncio.Event()
+        self.rids: Set[str] = set()
+        """Requests of this ingress that are still running here."""
+        self.readers = 0
+
+    def put(self, item: WorkerItem) -> None:
+        self._items.append(item)
+        self._ready.set()
+
+    async def take(self) -> List[WorkerItem]:
+        """Everything queued, waiting for at least one item."""
+        await self._ready.wait()
+        self._ready.clear()
+        items, self._items = self._items, []
+        return items
+
+
+class WorkerBase:
+    """What every pool's replica has: its engine, the ingress streams, aborts, reports and health."""
+
     def __init__(self, model: Optional[str], engine_options: Dict[str, Any]):
         from engine import Engine  # heavy: torch, transformers
 
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        # Token ids only: the ingress makes the text and checks stop strings (DESIGN §1).
+        # Token ids only: the ingress makes the text and checks stop strings.
         self.engine = Engine(model, enable_cache_events=True, detokenize=False, **engine_options)
+        self._channels: Dict[str, OutputChannel] = {}
+        self._early_aborts: "collections.OrderedDict[str, None]" = collections.OrderedDict()
+        """rids aborted before their submit arrived (the two calls race): their submit is refused."""
         self._served: collections.deque = collections.deque(maxlen=4096)
-        """rids of recent generate calls (the pinning proof reads them)."""
+        """rids of recent requests (the pinning proof reads them)."""
         self._first_output = {"first_output_s": 0.0, "first_output_requests": 0}
-        """Sum over streamed requests of call start → first message yielded (this replica's share of the
+        """Sum over requests of submit → first output handed to its channel (this replica's share of the
         TTFT: with the client's TTFT it splits time inside the worker from ingress, router and transport)."""
 
-    async def generate(self, input_ids: List[int], params: Any, rid: str) -> AsyncIterator[List[Any]]:
-        """Stream the request's outputs: lists of engine.StreamOutput (see the module docstring)."""
-        async for batch in self._stream(input_ids, params, rid):
-            yield batch
-
-    async def _stream(self, input_ids: List[int], params: Any, rid: str,
-                      remote_prefill: Any = None) -> AsyncIterator[List[Any]]:
-        """engine.generate_stream, coalesced into one list per message (remote_prefill: see Engine)."""
-        self._served.append(rid)
-        queue: asyncio.Queue = asyncio.Queue()
-        done = object()
-
-        async def pump() -> None:
-            try:
-                async for out in self.engine.generate_stream(input_ids, params, rid=rid,
-                                                             remote_prefill=remote_prefill):
-                    queue.put_nowait(out)
-                queue.put_nowait(done)
-            except Exception as exc:  # noqa: BLE001 - re-raised in the consumer
-                queue.put_nowait(exc)
-
-        task = asyncio.ensure_future(pump())
-        start, first = time.perf_counter(), True
+    # ---- the ingress's stream ------------------------------------------------------------------
+    async def outputs(self, ingress_id: str, replica_id: str) -> AsyncIterator[List[WorkerItem]]:
+        """The batched stream of ingress `ingress_id` (see the module docstring); meant for `replica_id`.
+        When it ends (the ingress went away), the ingress's requests here are aborted."""
+        self._check_replica(replica_id)
+        channel = self._channel(ingress_id)
+        channel.readers += 1
         try:
             while True:
-                batch = [await queue.get()]
-                while not queue.empty():
-                    batch.append(queue.get_nowait())
-                finished = batch[-1] is done
-                if finished:
-                    batch.pop()
-                if batch and isinstance(batch[-1], Exception):
-                    if len(batch) > 1:
-                        yield batch[:-1]
-                    raise batch[-1]
-                if batch:
-                    if first:
-                        first = False
-                        self._first_output["first_output_s"] += time.perf_counter() - start
-                        self._first_output["first_output_requests"] += 1
-                    yield batch
-                if finished:
-                    return
+                yield await channel.take()
         finally:
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
+            channel.readers -= 1
+            if channel.readers == 0:
+                self._channels.pop(ingress_id, None)
+                for rid in list(channel.rids):
+                    self.abort(rid)
 
+    def _channel(self, ingress_id: str) -> OutputChannel:
+        channel = self._channels.get(ingress_id)
+        if channel is None:
+            channel = self._channels[ingress_id] = OutputChannel()
+        return channel
+
+    def _count_first_output(self, start: float) -> None:
+        self._first_output["first_output_s"] += time.perf_counter() - start
+        self._first_output["first_output_requests"] += 1
+
+    def _check_replica(self, replica_id: str) -> None:
+        if replica_id != self.replica_id:
+            raise WrongReplicaError(f"a call meant for replica {replica_id} reached {self.replica_id}")
+
+    # ---- requests --------------------------------------------------------------------------------
+    def abort(self, rid: str) -> None:
+        """Abort request (or choice: "<rid>#<i>") `rid` here; a no-op when it is gone. A request not seen
+        yet (its submit is still on the way) is refused when it comes."""
+        if not any(rid in c.rids for c in self._channels.values()):
+            self._early_aborts[rid] = None
+            while len(self._early_aborts) > MAX_EARLY_ABORTS:
+                self._early_aborts.popitem(last=False)
+        self.engine.abort(rid)
+
+    def _aborted_before_submit(self, rid: str) -> bool:
+        return self._early_aborts.pop(rid, 0) is None
+
+    # ---- router and health -----------------------------------------------------------------------
     async def report(self) -> WorkerReport:
         stats = await self.stats()
-        events = await asyncio.to_thread(self.engine.drain_cache_events)
+        events = await self.engine.drain_cache_events_async()
         return WorkerReport(self.replica_id, int(stats.get("waiting", 0)), int(stats.get("running", 0)),
                             float(stats.get("kv_usage", 0.0)), events, stats, time.time())
 
     async def stats(self) -> Dict[str, float]:
-        return {**await asyncio.to_thread(self.engine.stats), **self._extra_stats()}
+        return {**await self.engine.stats_async(), **self._extra_stats()}
 
     def _extra_stats(self) -> Dict[str, float]:
         """Counters of this replica beside the engine's (reported with them)."""
         return dict(self._first_output)
 
-    def abort(self, rid: str) -> None:
-        """Abort request (or choice: "<rid>#<i>") `rid` here; a no-op when it is gone."""
-        self.engine.abort(rid)
-
     def info(self) -> WorkerInfo:
-        return WorkerInfo(self.replica_id, self.engine.context_len, self.engine.runner.vocab_size)
+        return WorkerInfo(self.replica_id, self.engine.context_len, self.engine.vocab_size)
 
     def whoami(self) -> str:
         return self.replica_id
 
     def served(self) -> Dict[str, List[str]]:
-        """{this replica's id: rids of its last 4096 generate calls} (tests prove pinning with it)."""
+        """{this replica's id: rids of its last 4096 requests} (tests prove pinning with it)."""
         return {self.replica_id: list(self._served)}
 
     async def check_health(self) -> None:
         """Serve calls this periodically; raising marks the replica unhealthy (it is replaced)."""
-        await asyncio.wait_for(asyncio.to_thread(self.engine.stats), timeout=30)
+        await self.engine.stats_async()
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+class Worker(WorkerBase):
+    """A replica of the unified pool: prefills and decodes its requests."""
+
+    async def submit(self, input_ids: List[int], params: Any, rid: str, ingress_id: str, replica_id: str) -> None:
+        """Start a request; its outputs go to the stream of `ingress_id`. Raises (before anything runs)
+        when the request is invalid or the call reached the wrong replica."""
+        self._check_replica(replica_id)
+        if self._aborted_before_submit(rid):
+            return
+        channel = self._channel(ingress_id)
+        self._served.append(rid)
+        start, first, open_choices = time.perf_counter(), [True], [params.n]
+
+        def deliver(item: Any) -> None:  # on this replica's event loop, once per output, in order
+            if isinstance(item, BaseException):
+                channel.rids.discard(rid)
+                channel.put(WorkerItem(rid, error=item))
+                return
+            if first[0]:
+                first[0] = False
+                self._count_first_output(start)
+            if item.finish_reason is not None:
+                open_choices[0] -= 1
+                if open_choices[0] == 0:
+                    channel.rids.discard(rid)
+            channel.put(WorkerItem(rid, output=item))
+
+        channel.rids.add(rid)
+        try:
+            self.engine.submit(input_ids, params, deliver, rid=rid)
+        except BaseException:
+            channel.rids.discard(rid)
+            raise

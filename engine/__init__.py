@@ -2,7 +2,9 @@
 
 Data flow and owners:
 
-    Engine (engine.py)            validates and tokenizes in the caller's thread, runs the loop thread
+    Engine (engine.py)            front end: validates and tokenizes in the caller's thread, makes text
+      │                           (text.py) and delivers outputs; reaches its EngineCore through core/
+    EngineCore (core/)            the loop, in a thread or a process of its own (core_process)
       └─ Scheduler (scheduler/)   waiting queue (policy.py), prefill batches with chunking (prefill.py),
                                   decode with retraction (decode.py), outputs (output.py)
            ├─ KVCacheManager (memory/kv_cache_manager.py)  who owns which KV slot:
@@ -19,7 +21,10 @@ from engine.sampling_params import SamplingParams  # noqa: F401
 
 def __getattr__(name):
     # Engine pulls in torch and transformers: import it lazily so `import engine` stays cheap.
-    if name in ("Engine", "GenerateOutput", "StreamOutput"):
-        from engine import engine as _engine
-        return getattr(_engine, name)
+    if name == "Engine":
+        from engine.engine import Engine
+        return Engine
+    if name in ("GenerateOutput", "StreamOutput"):
+        from engine import outputs
+        return getattr(outputs, name)
     raise AttributeError(name)

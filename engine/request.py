@@ -16,53 +16,17 @@ as is: nothing is re-accepted on resume.
 """
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional
 
 import torch
 
+from engine.outputs import FinishReason, ReqOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"          # EOS, a stop token id, a stop string, or a completed grammar
-    LENGTH = "length"      # max_new_tokens or the context length
-    ABORT = "abort"        # aborted by the caller or the engine
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top_logprobs: List[tuple] = field(default_factory=list)
-    """[(token_id, logprob), ...] best first."""
-
-
-@dataclass
-class ReqOutput:
-    """What one scheduler step produced for one request (crosses into Engine callbacks)."""
-
-    rid: str
-    new_token_ids: List[int]
-    text_delta: str
-    logprobs: List[TokenLogprob]
-    finish_reason: Optional[FinishReason]
-    matched_stop: Any
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    error: Optional[BaseException] = None
-    prompt_logprobs: Optional[List[TokenLogprob]] = None
-    """Set once, on the first output of a request that asked for them."""
-    handoff: Any = None
-    """Disaggregation (engine.scheduler.handoff): a KVReservation (decode side) or a PrefillHandoff
-    (prefill side); such an output carries no tokens."""
 
 
 class Req:
     def __init__(self, rid: str, input_ids: List[int], params: SamplingParams, seed: int,
-                 eos_token_ids: frozenset, on_output: Callable[[ReqOutput], None], text=None,
+                 eos_token_ids: frozenset, on_output: Callable[[ReqOutput], None],
                  wait_for: Optional["Req"] = None, grammar=None, handoff: Optional[str] = None):
         self.rid = rid
         self.origin_input_ids = list(input_ids)
@@ -72,9 +36,7 @@ class Req:
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self.stop_token_ids = frozenset(params.stop_token_ids)
         self.on_output = on_output
-        self.text = text
-        """engine.tokenizer.TextStream making the output's text and checking stop strings, or None
-        (no tokenizer, or detokenize=False: the caller makes the text)."""
+        """Called by the OutputProcessor with what each step produced (the EngineCore collects them)."""
         self.wait_for = wait_for
         """Another request (the first of an n>1 group) whose prompt must be cached before this one is scheduled."""
         self.grammar = grammar
@@ -101,7 +63,6 @@ class Req:
         self.prompt_logprobs: List[TokenLogprob] = []
         """Logprobs of prompt tokens 1..n-1 (when sampling_params.prompt_logprobs is set)."""
         self.prompt_logprobs_sent = False
-        self.pending_text = ""
         self.num_emitted = 0
 
     @property
@@ -128,7 +89,7 @@ class Req:
         return self.kv_len >= len(self.origin_input_ids) or bool(self.output_ids)
 
     def check_finished(self, context_len: int) -> None:
-        """Set finish_reason after a new output token (stop strings are checked by its TextStream)."""
+        """Set finish_reason after a new output token (stop strings are the front end's: engine.text)."""
         if self.finished:
             return
         last = self.output_ids[-1]

@@ -1,5 +1,7 @@
 """`python -m serving --model PATH [--host H] [--port P] [--api-key K] [engine options]`:
-one in-process engine.Engine behind the OpenAI-compatible app, served by uvicorn.
+one engine.Engine behind the OpenAI-compatible app, served by uvicorn. This process runs HTTP, the
+tokenizer, text and SSE; the Engine's core (scheduler, model, KV cache) runs in a process of its own
+(--core-process, on by default here), so the two never wait for each other.
 
 Engine options are generated from engine.config.EngineConfig's fields (their metadata 'help').
 """
@@ -15,6 +17,12 @@ from typing import Any, List, Optional
 from engine.config import EngineConfig
 
 _SERVER_FIELDS = {"model"}
+SERVER_DEFAULTS = {"core_process": True, "enable_mixed_chunk": True, "max_prefill_tokens": 8192}
+"""Engine options whose server default differs from the library's (offline) one: a server runs its
+scheduler in a process of its own, so that HTTP, text and SSE never stall a step; and it bounds the
+latency of running requests while prompts arrive: each step carries their decode tokens beside the
+prefill, within a budget of 8192 tokens (vLLM's server default), where an offline batch prefers
+larger prefill steps. The cluster's workers use the same (cluster/config.py)."""
 
 
 def _field_type(f: dataclasses.Field) -> tuple:
@@ -48,12 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         tp, choices, is_bool = _field_type(f)
         flag = "--" + f.name.replace("_", "-")
-        help_ = f"{f.metadata.get('help', '')} (default: {f.default})"
+        default = SERVER_DEFAULTS.get(f.name, f.default)
+        help_ = f"{f.metadata.get('help', '')} (default: {default})"
         if is_bool:
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
                                help=help_)
         else:
-            group.add_argument(flag, dest=f.name, type=tp, choices=choices, default=f.default, help=help_)
+            group.add_argument(flag, dest=f.name, type=tp, choices=choices, default=default, help=help_)
     return p
 
 

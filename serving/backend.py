@@ -53,7 +53,7 @@ class ServingBackend(abc.ABC):
 
 
 class EngineBackend(ServingBackend):
-    """One in-process engine.Engine."""
+    """One engine.Engine (its front end in this process; its core in a thread or a process of its own)."""
 
     def __init__(self, engine: Any):
         self.engine = engine
@@ -62,7 +62,7 @@ class EngineBackend(ServingBackend):
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.runner.vocab_size
+        return self.engine.vocab_size
 
     def generate_stream(self, input_ids: List[int], params: SamplingParams, rid: str) -> AsyncIterator[Any]:
         return self.engine.generate_stream(input_ids, params, rid=rid)
@@ -71,7 +71,7 @@ class EngineBackend(ServingBackend):
         self.engine.abort(rid)
 
     async def stats(self) -> Dict[str, float]:
-        return await asyncio.to_thread(self.engine.stats)
+        return await self.engine.stats_async()
 
     async def health(self) -> bool:
         try:

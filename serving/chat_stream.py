@@ -74,7 +74,7 @@ async def chat_events(st: ServingState, body: "ChatCompletionRequest", plan: "Ch
                 c.holding = False
                 yield chunk(out.index, {"content": "".join(c.held)}, c.held_logprobs)
                 c.held, c.held_logprobs = [], []
-        elif out.text or out.logprobs:
+        elif out.text or out.logprobs or out.new_token_ids:  # like vLLM: a chunk per step with tokens
             yield chunk(out.index, {"content": out.text}, out.logprobs or [])
         if out.finish_reason is None:
             continue

@@ -106,8 +106,8 @@ async def _events(st: ServingState, body: CompletionRequest, rid: str, stream: G
             n_head = 0 if head is None else len(head.tokens)
             lps = legacy_logprobs(st, out.logprobs or [], offsets[k], head).model_dump()
             offsets[k] += sum(len(t) for t in lps["tokens"][n_head:])
-        if not text and lps is None and out.finish_reason is None:
-            continue
+        if not text and lps is None and out.finish_reason is None and not out.new_token_ids:
+            continue  # like vLLM: a chunk per step that produced tokens, even while their text is held back
         choice = {"index": k, "text": text, "logprobs": lps, "finish_reason": out.finish_reason}
         chunk: Dict[str, Any] = {**base, "created": created, "choices": [choice]}
         if include_usage:

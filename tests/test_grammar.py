@@ -62,7 +62,7 @@ def test_json_schema_50_samples_validate(default_engine):
         assert_ends_like_eos(default_engine, out)
         check_person(json.loads(out.text))
     assert len({o.text for o in outs}) > 10  # really sampled
-    assert default_engine.grammar.stats["hits"] >= 4  # one schema, compiled once for the five prompts
+    assert default_engine.local_core.grammar.stats["hits"] >= 4  # one schema, compiled once for the five prompts
     assert_no_leak(default_engine)
 
 
@@ -116,7 +116,7 @@ def test_sampler_masks_to_allowed_tokens(default_engine):
     from engine.runner.sampler import Sampler, SamplingBatchInfo
 
     vocab = default_engine.runner.vocab_size
-    compiled = default_engine.grammar.compile(SamplingParams(regex=PHONE))
+    compiled = default_engine.local_core.grammar.compile(SamplingParams(regex=PHONE))
     states = [GrammarState(compiled), None, GrammarState(compiled)]
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0), SamplingParams(temperature=1.0)]
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0)) * 5

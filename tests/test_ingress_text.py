@@ -1,12 +1,12 @@
 """Text made outside the engine: an engine with detokenize=False streams token ids only, and
-cluster.text.OutputText turns them into exactly the text, stop point and token counts that an
+engine.text.OutputText turns them into exactly the text, stop point and token counts that an
 engine which detokenizes itself returns (the greedy-output invariant, DESIGN §4)."""
 import asyncio
 import dataclasses
 
 import pytest
 
-from cluster.text import OutputText
+from engine.text import OutputText
 from conftest import assert_no_leak, make_engine
 from engine.sampling_params import SamplingParams
 

@@ -15,7 +15,9 @@ import time
 import pytest
 
 from conftest import PROMPTS, assert_no_leak, make_engine
-from engine.request import FinishReason
+from engine.core.messages import AddRequest
+from engine.outputs import FinishReason
+from engine.sampling_params import SamplingParams
 
 LONG = ("You are a careful assistant who answers in short sentences. " * 6
         + "Question: name three rivers of Europe.\nAnswer:")
@@ -228,8 +230,10 @@ def test_abort_reaches_a_request_only_in_flight(engines, handoff):
     scheduler = engine.scheduler
 
     def scenario():
-        (req,) = engine._make_group(PROMPTS[0], dict(temperature=0.0, max_new_tokens=1 if handoff is None else 8),
-                                    "solo", outputs.append, handoff=handoff)
+        params = SamplingParams(temperature=0.0, max_new_tokens=1 if handoff is None else 8)
+        (req,) = engine.local_core._make_group(AddRequest("solo", engine.tokenizer.encode(PROMPTS[0]), params, 0,
+                                                          handoff))
+        req.on_output = outputs.append
         scheduler.add_request(req)
         assert scheduler.step()  # its prefill is launched, not processed
         detached = scheduler.overlap.detached()

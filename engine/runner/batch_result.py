@@ -15,7 +15,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from engine.request import TokenLogprob
+from engine.outputs import TokenLogprob
 
 
 @dataclass

@@ -26,7 +26,7 @@ from engine.memory.req_to_token import ReqToTokenPool
 from engine.models.layers import set_gemv
 from engine.models.loader import load_config, load_model
 from engine.models.source import ModelSource
-from engine.request import TokenLogprob
+from engine.outputs import TokenLogprob
 from engine.runner.batch_result import BatchResult, LaunchedBatch
 from engine.runner.sampler import Sampler, SamplingBatchInfo
 from kernels.attention.base import get_backend_class

@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import List
 
 from engine.memory.kv_cache_manager import KVCacheManager
-from engine.request import FinishReason, Req
+from engine.outputs import FinishReason
+from engine.request import Req
 
 
 def pages_needed(running: List[Req], page_size: int) -> int:

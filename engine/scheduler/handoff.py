@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from engine.memory.kv_cache_manager import KVCacheManager
-from engine.request import Req, ReqOutput, TokenLogprob
+from engine.outputs import ReqOutput, TokenLogprob
+from engine.request import Req
 from engine.scheduler.output import OutputProcessor
 from engine.scheduler.prefill import reserved_decode_tokens
 
@@ -175,5 +176,5 @@ class HandoffState:
 
 
 def _handoff_output(req: Req, handoff) -> ReqOutput:
-    return ReqOutput(req.rid, [], "", [], None, None, len(req.origin_input_ids), req.cached_tokens, 0,
+    return ReqOutput(req.rid, [], [], None, None, len(req.origin_input_ids), req.cached_tokens, 0,
                      handoff=handoff)

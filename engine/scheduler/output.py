@@ -1,19 +1,21 @@
-"""OutputProcessor: new tokens → finish checks, text, stop strings → ReqOutput callbacks.
+"""OutputProcessor: new tokens → finish checks → ReqOutput callbacks.
 
 Per step and per request it appends the sampled token (and its logprobs),
 advances the request's grammar (a completed grammar finishes it with "stop",
 its stop token counted like EOS), checks EOS / stop token ids /
-max_new_tokens / context length, turns tokens into text and checks stop
-strings (the request's TextStream, when it has one), and at the end of the
-step calls each request's `on_output` once with everything new: tokens are
-coalesced per step, never one callback per token of a batch.
+max_new_tokens / context length, and at the end of the step calls each
+request's `on_output` once with everything new: tokens are coalesced per
+step, never one callback per token of a batch. No text here: the Engine's
+front end makes it and checks stop strings (engine.text), so that this CPU
+work stays out of the scheduler's loop.
 """
 from __future__ import annotations
 
 import logging
 from typing import List
 
-from engine.request import FinishReason, Req, ReqOutput, TokenLogprob
+from engine.outputs import FinishReason, ReqOutput, TokenLogprob
+from engine.request import Req
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +43,6 @@ class OutputProcessor:
         if req.grammar is not None:
             self._advance_grammar(req, token)
         req.check_finished(self.context_len)
-        if req.text is not None:
-            emit, matched = req.text.feed(token)
-            req.pending_text += emit
-            if matched is not None and req.finish_reason is not FinishReason.ABORT:
-                req.finish_reason, req.matched_stop = FinishReason.STOP, matched
 
     @staticmethod
     def _advance_grammar(req: Req, token: int) -> None:
@@ -69,17 +66,15 @@ class OutputProcessor:
             new_ids = req.output_ids[req.num_emitted:]
             if not new_ids and not req.finished:
                 continue
-            if req.finished and req.text is not None and not isinstance(req.matched_stop, str):
-                req.pending_text += req.text.finish()  # held-back text is released at the end
             out = ReqOutput(
-                rid=req.rid, new_token_ids=new_ids, text_delta=req.pending_text, logprobs=req.pending_logprobs,
+                rid=req.rid, new_token_ids=new_ids, logprobs=req.pending_logprobs,
                 finish_reason=req.finish_reason, matched_stop=req.matched_stop,
                 prompt_tokens=len(req.origin_input_ids), cached_tokens=req.cached_tokens,
                 completion_tokens=len(req.output_ids))
             if req.sampling_params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
                 out.prompt_logprobs, req.prompt_logprobs_sent = list(req.prompt_logprobs), True
             req.num_emitted = len(req.output_ids)
-            req.pending_text, req.pending_logprobs = "", []
+            req.pending_logprobs = []
             try:
                 req.on_output(out)
             except Exception:  # noqa: BLE001 - a caller's callback must not stop the engine

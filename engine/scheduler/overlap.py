@@ -13,7 +13,7 @@ Invariant — what batch N+1 may depend on while N is unresolved:
     applied when N is launched);
   - N's sampled tokens only as device tensors: a decode input (FutureMap) and the sampling step
     (len(output_ids) + 1 for a request with a token in flight, so seeded sampling draws as without overlap).
-It may not read N's tokens on the CPU. Hence the sync rule: N is resolved and processed *before* N+1 is
+It may not read N's tokens on the CPU. (A mixed EXTEND batch's decode rows take their input the same way.) Hence the sync rule: N is resolved and processed *before* N+1 is
 planned (the plain step) when a request of N has
   - a grammar (the next bitmask needs the token),
   - a repetition / frequency / presence penalty (token statistics are built from output_ids),
@@ -100,7 +100,7 @@ class OverlapLoop:
         """Plan and launch one batch, then process the previous one. False when there was nothing to do."""
         s = self.s
         synced = self.inflight is not None and self.inflight.sync and self._process_inflight()
-        s._process_aborts()
+        s.process_aborts()
         reserved = bool(s.handoff.importing) and s.handoff.reserve_imports(s.running)
         batch = s._get_new_prefill_batch() or s._get_decode_batch()
         if batch is None:  # nothing to overlap with: finish the batch in flight now
@@ -115,9 +115,10 @@ class OverlapLoop:
         futures = self.inflight.futures if self.inflight is not None else None
         batch.prepare(s.kv, s.runner.device)
         if futures is not None:
-            if batch.mode is ForwardMode.DECODE:
-                futures.resolve_inputs(batch.forward_batch, batch.reqs)
-            elif any(futures.has(r) for r in batch.reqs):
+            # Decode rows come first in a mixed EXTEND batch, one token each: rows 0..d-1 as in DECODE.
+            decoding = batch.reqs if batch.mode is ForwardMode.DECODE else batch.decode_reqs
+            futures.resolve_inputs(batch.forward_batch, decoding)
+            if batch.mode is ForwardMode.EXTEND and any(futures.has(r) for r in batch.prefill_reqs):
                 raise RuntimeError("a prefill planned for a request whose token is in flight (scheduler bug)")
         steps = [len(r.output_ids) + (futures is not None and futures.has(r)) for r in batch.sampled_reqs]
         launched = s.runner.launch_batch(batch, steps)

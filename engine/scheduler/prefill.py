@@ -13,7 +13,7 @@ request per batch is chunked, and it is always the last one added.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 from engine.memory.kv_cache_manager import KVCacheManager
 from engine.request import Req
@@ -31,18 +31,20 @@ def reserved_decode_tokens(req: Req, ratio: float) -> int:
 
 class PrefillAdder:
     def __init__(self, kv: KVCacheManager, running: List[Req], max_prefill_tokens: int, chunk_size: int,
-                 new_token_ratio: float, max_running: int):
+                 new_token_ratio: float, max_running: int, decoding: Sequence[Req] = ()):
+        """`decoding`: running requests that decode one token in the same (mixed) step; their tokens count
+        against the step's budget and their new pages are kept free for them."""
         self.kv = kv
         self.page_size = kv.page_size
         self.ratio = new_token_ratio
-        self.rem_batch_tokens = max_prefill_tokens
+        self.rem_batch_tokens = max_prefill_tokens - len(decoding)
         self.chunk_size = chunk_size
         self.rem_slots = max_running - len(running)
         self.rem_total = kv.available() - sum(reserved_decode_tokens(r, new_token_ratio) for r in running)
         self.can_run: List[Req] = []
         self.chunked_req: Optional[Req] = None
         self.no_running = not running
-        self.batch_slots = 0
+        self.batch_slots = sum(kv.pages_for(r, 1) for r in decoding) * self.page_size
         """New KV slots the batch's requests will take (kept free by evicting cache as requests are added)."""
 
     @property

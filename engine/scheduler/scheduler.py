@@ -6,7 +6,11 @@ One step reads like the loop of SGLang's scheduler:
 
 Prefill has priority: when waiting requests fit, the step is a prefill batch
 (possibly ending with one chunked request, which continues next step before
-anything else); otherwise the running requests decode one token each. When a
+anything else); otherwise the running requests decode one token each. With
+`enable_mixed_chunk`, a prefill step also carries one decode token of every
+running request (SGLang's mixed chunked prefill), so that prompts arriving
+under load do not stall the running batch; the step's token budget
+(`max_prefill_tokens`) then counts those decode tokens too. When a
 decode step cannot get KV pages, requests are retracted (their computed KV goes
 to the radix cache, they return to the waiting queue and resume later with
 unchanged output). The scheduler is single-threaded: the Engine calls `step()`
@@ -21,7 +25,8 @@ from typing import Dict, List, Optional
 
 from engine.forward_batch import ForwardMode
 from engine.memory.kv_cache_manager import KVCacheManager
-from engine.request import FinishReason, Req, TokenLogprob
+from engine.outputs import FinishReason, TokenLogprob
+from engine.request import Req
 from engine.scheduler.decode import retract_for_decode
 from engine.scheduler.handoff import HandoffState
 from engine.scheduler.output import OutputProcessor
@@ -43,8 +48,8 @@ class Scheduler:
         self.running: List[Req] = []
         self.chunked_req: Optional[Req] = None
         self.output = OutputProcessor(context_len)
-        self.counters: Dict[str, int] = dict(prompt_tokens=0, cached_tokens=0, generated_tokens=0,
-                                             retractions=0, finished=0, aborted=0, prefill_steps=0, decode_steps=0)
+        self.counters: Dict[str, int] = dict(prompt_tokens=0, cached_tokens=0, generated_tokens=0, retractions=0,
+                                             finished=0, aborted=0, prefill_steps=0, decode_steps=0, mixed_steps=0)
         self.handoff = HandoffState(kv, self.output, self.counters, config.new_token_ratio)
         """Disaggregation: requests importing or exporting their prompt's KV (never in waiting/running)."""
         self.overlap = None if config.disable_overlap_schedule else OverlapLoop(self)
@@ -73,6 +78,14 @@ class Scheduler:
             if req.rid == rid or req.rid.startswith(rid + "#"):
                 req.to_abort = True
 
+    def drop_all(self) -> List[Req]:
+        """Forget every request (the engine is going down); returns them. Their pages are not freed."""
+        reqs = self._all_reqs()
+        self.waiting.clear()
+        self.running.clear()
+        self.chunked_req = None
+        return reqs
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked_req or self.handoff.importing
@@ -87,7 +100,7 @@ class Scheduler:
         """Run one batch. Returns False when there was nothing to do."""
         if self.overlap is not None:
             return self.overlap.step()
-        self._process_aborts()
+        self.process_aborts()
         reserved = bool(self.handoff.importing) and self.handoff.reserve_imports(self.running)
         batch = self._get_new_prefill_batch() or self._get_decode_batch()
         if batch is None:
@@ -97,7 +110,8 @@ class Scheduler:
         self._process_batch_result(batch, result)
         return True
 
-    def _process_aborts(self) -> None:
+    def process_aborts(self) -> None:
+        """End every request marked for abort: out of its queue, its pages freed, its caller told."""
         for req in [r for r in self._all_reqs() if r.to_abort]:
             if req in self.waiting:
                 self.waiting.remove(req)
@@ -111,8 +125,9 @@ class Scheduler:
             self.output.finish(req, FinishReason.ABORT)
 
     def _get_new_prefill_batch(self) -> Optional[ScheduleBatch]:
+        decoding = self._decoding_reqs() if self.config.enable_mixed_chunk and self.running else []
         adder = PrefillAdder(self.kv, self.running, self.config.max_prefill_tokens, self.config.chunked_prefill_size,
-                             self.config.new_token_ratio, self.config.max_running_requests)
+                             self.config.new_token_ratio, self.config.max_running_requests, decoding)
         # Like lpm ordering itself, the in-batch check is skipped for long queues (it costs a tree walk per request).
         use_in_batch = (self.config.schedule_policy == "lpm" and self.kv.use_tree
                         and len(self.waiting) <= LPM_MAX_QUEUE)
@@ -140,7 +155,10 @@ class Scheduler:
         if not adder.can_run:
             return None
         self.chunked_req = adder.chunked_req
-        return ScheduleBatch(ForwardMode.EXTEND, adder.can_run, chunked_req=adder.chunked_req)
+        for req in decoding:
+            req.extend_len = 1
+        return ScheduleBatch(ForwardMode.EXTEND, decoding + adder.can_run, chunked_req=adder.chunked_req,
+                             num_decode=len(decoding))
 
     @staticmethod
     def _ready(req: Req) -> bool:
@@ -151,19 +169,25 @@ class Scheduler:
             return True
         return False
 
-    def _get_decode_batch(self) -> Optional[ScheduleBatch]:
-        if not self.running:
-            return None
+    def _decoding_reqs(self) -> List[Req]:
+        """The running requests that decode a token this step, after retracting those whose next page
+        cannot be had (they return to the front of the waiting queue)."""
         retracted = retract_for_decode(self.running, self.kv, self.output, self.context_len)
         for req in retracted:
             self.counters["retractions"] += 1
             if not req.finished:
                 self.waiting.insert(0, req)
+        return list(self.running)
+
+    def _get_decode_batch(self) -> Optional[ScheduleBatch]:
         if not self.running:
             return None
-        for req in self.running:
+        decoding = self._decoding_reqs()
+        if not decoding:
+            return None
+        for req in decoding:
             req.extend_len = 1
-        return ScheduleBatch(ForwardMode.DECODE, list(self.running))
+        return ScheduleBatch(ForwardMode.DECODE, decoding)
 
     def _process_batch_result(self, batch: ScheduleBatch, result) -> None:
         self._commit_forward(batch)
@@ -180,7 +204,7 @@ class Scheduler:
         if batch.chunked_req is not None:
             self.kv.cache_unfinished(batch.chunked_req)
         if batch.mode is ForwardMode.EXTEND:
-            for req in batch.sampled_reqs:
+            for req in batch.sampled_reqs[batch.num_decode:]:  # decode rows of a mixed batch already run
                 if req.handoff != "export" and len(req.output_ids) + 1 < req.sampling_params.max_new_tokens:
                     self.kv.cache_unfinished(req)
                     self.running.append(req)
@@ -189,6 +213,7 @@ class Scheduler:
         """Append the sampled tokens, finish, release and stream. A request already finished (overlap:
         it ended or was aborted while this batch ran) gets nothing: its extra token is dropped."""
         self.counters["prefill_steps" if batch.mode is ForwardMode.EXTEND else "decode_steps"] += 1
+        self.counters["mixed_steps"] += batch.num_decode > 0
         live = [r for r in batch.reqs if not r.finished]
         for i, lps in result.prompt_logprobs.items():
             batch.reqs[i].prompt_logprobs += lps

@@ -1,13 +1,14 @@
-"""Text at the ingress: workers stream token ids, the ingress makes the text (DESIGN §1).
+"""Text: the one place where output token ids become text and stop strings end a choice.
 
-    worker StreamOutput (token ids, logprobs, finish; text "") ──OutputText.apply──▶ the same output
-        with its text; at a stop string: cut after the token that completed it, finish_reason "stop",
-        matched_stop = the string, and the choice is over here (the caller aborts it on the worker)
+    StreamOutput (token ids, logprobs, finish; text "") ──OutputText.apply──▶ the same output with
+        its text; at a stop string: cut after the token that completed it, finish_reason "stop",
+        matched_stop = the string, and the choice is over here (the caller aborts it in the engine,
+        which may have produced a few more tokens meanwhile: they are dropped here)
 
-One engine.tokenizer.TextStream per choice, the class the engine uses when it detokenizes itself:
-the text, the stop point and completion_tokens are the ones a single engine returns (the cluster's
-greedy-output tests compare them). Detokenizing here keeps that CPU work out of the workers' engine
-loops, which run beside the GPU, and lets them stream a compact message per step.
+The EngineCore streams token ids only; the Engine's front end (single node) and the cluster's
+ingress (which receives its workers' token ids) both make text with this class, one
+engine.tokenizer.TextStream per choice, so the text, the stop point and completion_tokens are the
+same wherever a request runs. It keeps detokenization out of the scheduler's loop.
 """
 from __future__ import annotations
 

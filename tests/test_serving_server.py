@@ -1,0 +1,86 @@
+"""`python -m serving` as a user starts it: the HTTP process plus its engine core process (the server's
+default). A streamed completion gives the engine's greedy text, one chunk per step that produced a token,
+KV usage is back to 0 afterwards, and Ctrl-C stops both processes."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from conftest import PROMPTS
+
+pytestmark = pytest.mark.slow
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _children(pid: int) -> list:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "serving", "--port", str(port), "--max-total-tokens", "8192",
+                             "--served-model-name", "m"], cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None and time.time() < deadline, "python -m serving did not come up"
+        time.sleep(1)
+    yield proc, url
+    if proc.poll() is None:
+        proc.kill()
+
+
+def test_streamed_completion_equals_the_engine(server, default_engine):
+    _, url = server
+    want = default_engine.generate(PROMPTS[2], dict(temperature=0, max_new_tokens=24, ignore_eos=True))
+    chunks = []
+    body = dict(model="m", prompt=PROMPTS[2], max_tokens=24, temperature=0, ignore_eos=True, stream=True)
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:])["choices"][0])
+    assert "".join(c["text"] for c in chunks) == want.text
+    # One chunk per engine step with new tokens (overlap and coalescing may merge steps, never split them).
+    assert 1 < len(chunks) <= 24 and chunks[-1]["finish_reason"] == "length"
+    metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    usage = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("radixserve_kv_cache_usage")]
+    assert usage and usage[0] == 0.0
+
+
+def test_bad_request_is_a_400(server):
+    _, url = server
+    r = httpx.post(f"{url}/v1/completions", json=dict(model="m", prompt=[10 ** 9], max_tokens=2), timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_ctrl_c_stops_the_server_and_its_core(server):
+    proc, _ = server
+    core = _children(proc.pid)
+    assert core, "the engine core process is missing"
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
+    deadline = time.time() + 30
+    while any(os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+              for pid in core):
+        assert time.time() < deadline, f"engine core {core} outlived its server"
+        time.sleep(0.5)
