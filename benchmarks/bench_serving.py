@@ -1,10 +1,21 @@
 """Online serving benchmark for any OpenAI-compatible endpoint (radixserve, vLLM, SGLang, ...).
 
-Streams every request (SSE) and measures, per request: TTFT (first content), ITL (gaps between
-content chunks), E2E latency and output tokens (from `usage`); overall: request and token
-throughput, p50/p90/p99 of each latency, and the prefix-cache hit rate — client-side from
-`usage.prompt_tokens_details.cached_tokens`, and server-side from radixserve's /router/stats
-(cluster) or /metrics (single node), as the change over the run.
+Streams every request (SSE) and measures, per request: TTFT, ITL, E2E latency, TPOT and output
+tokens (from `usage`); overall: request and token throughput, p50/p90/p99 of each latency, and the
+prefix-cache hit rate — client-side from `usage.prompt_tokens_details.cached_tokens`, and
+server-side from radixserve's /router/stats (cluster) or /metrics (single node), as the change over
+the run.
+
+Token events are counted as vLLM's own client (`vllm bench serve`, vllm/benchmarks/lib/
+endpoint_request_func.py) counts them: every streamed chunk whose `choices` list is non-empty is one
+token event, whatever its text (a chat stream's role chunk, a token whose text is empty or held back
+mid-UTF-8, a finish chunk); the first sets TTFT, each later one adds an ITL gap. A chunk with
+`choices: []` (the final usage chunk) is no event; its `usage` gives the prompt, cached and output
+token counts. So ITL is the time between the chunks a server sends, and a server that sends no chunk
+for a token (e.g. one whose text is empty) shows a longer gap there; `events_per_output_token` in the
+summary (chunks with choices / output tokens from usage) shows how many tokens went without a chunk.
+TPOT (per request: (E2E - TTFT) / (output tokens - 1), requests with more than one output token)
+does not depend on chunking.
 
 Datasets (fixed seeds; prompts are words drawn from a fixed vocabulary, ~1 token per word):
   random         --num-prompts completions with input lengths uniform in
@@ -107,7 +118,8 @@ class Result:
     """"<session>.<turn>": the same request across runs of one workload."""
 
     def add_text(self, text: str) -> None:
-        """A streamed piece of text arrived: the first sets TTFT, later ones add an inter-token latency."""
+        """A token event arrived (a streamed chunk with choices; `text` may be empty): the first sets
+        TTFT, later ones add an inter-token latency."""
         now = time.perf_counter()
         if not self.pieces:
             self.ttft = now - self.start
@@ -147,10 +159,11 @@ async def send(client: httpx.AsyncClient, args, turn: Turn, history: List[Dict[s
                 if "error" in chunk:
                     res.error = str(chunk["error"])[:200]
                     return res
-                text = ""
-                for choice in chunk.get("choices") or []:
-                    text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-                if text:
+                choices = chunk.get("choices")
+                if choices:  # one token event, even with empty text (module docstring)
+                    text = ""
+                    for choice in choices:
+                        text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
                     res.add_text(text)
                 usage = chunk.get("usage")
                 if usage:
@@ -260,6 +273,9 @@ def summarize(results: List[Result], duration: float, before, after) -> Dict[str
         "ttft_ms": {k: v * 1e3 for k, v in pcts([r.ttft for r in ok]).items()},
         "itl_ms": {k: v * 1e3 for k, v in pcts([x for r in ok for x in r.itl]).items()},
         "e2e_ms": {k: v * 1e3 for k, v in pcts([r.e2e for r in ok]).items()},
+        "tpot_ms": {k: v * 1e3 for k, v in pcts([(r.e2e - r.ttft) / (r.output_tokens - 1)
+                                                 for r in ok if r.output_tokens > 1]).items()},
+        "events_per_output_token": (sum(len(r.pieces) for r in ok) / out_tokens) if out_tokens else 0.0,
         "client_cache_hit_rate": (sum(r.cached_tokens for r in ok) / prompt_tokens) if prompt_tokens else 0.0,
     }
     if before is not None and after is not None:
@@ -276,9 +292,11 @@ def print_table(summary: Dict[str, Any]) -> None:
     print(f"{'output throughput':<28}{summary['output_throughput_tok_s']:.1f} tok/s")
     print(f"{'total throughput':<28}{summary['total_throughput_tok_s']:.1f} tok/s")
     print(f"{'':<28}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
-    for key, label in (("ttft_ms", "TTFT (ms)"), ("itl_ms", "ITL (ms)"), ("e2e_ms", "E2E (ms)")):
+    for key, label in (("ttft_ms", "TTFT (ms)"), ("itl_ms", "ITL (ms)"), ("tpot_ms", "TPOT (ms)"),
+                       ("e2e_ms", "E2E (ms)")):
         v = summary[key]
         print(f"{label:<28}{v['mean']:>10.1f}{v['p50']:>10.1f}{v['p90']:>10.1f}{v['p99']:>10.1f}")
+    print(f"{'stream events / token':<28}{summary['events_per_output_token']:.3f}")
     print(f"{'cache hit rate (client)':<28}{summary['client_cache_hit_rate']:.3f}")
     if "server_cache_hit_rate" in summary:
         print(f"{'cache hit rate (server)':<28}{summary['server_cache_hit_rate']:.3f} "
