@@ -75,6 +75,12 @@ class StreamOutput:
     prompt_logprobs: Optional[List[TokenLogprob]] = None
     """On the first output only, when sampling_params.prompt_logprobs is set."""
 
+    def __reduce__(self):
+        # A cluster worker sends one of these per request per engine step: pickled as a positional tuple.
+        return (StreamOutput, (self.rid, self.index, self.new_token_ids, self.text, self.logprobs, self.finish_reason,
+                               self.matched_stop, self.prompt_tokens, self.cached_tokens, self.completion_tokens,
+                               self.prompt_logprobs))
+
 
 @dataclass
 class GenerateOutput:

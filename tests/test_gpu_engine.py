@@ -213,15 +213,20 @@ def test_gpu_overlap_schedule_does_not_change_outputs(dtype):
 
 
 def test_gpu_planning_copies_do_not_synchronize():
-    """Building a step's device inputs (ForwardBatch.build, ReqToTokenPool.write, to_device) never waits for
-    the device: overlap scheduling plans batch N+1 while batch N runs. CUDA's sync debug mode raises on any
-    synchronizing call."""
+    """Building a step's device inputs (ForwardBatch.build, ReqToTokenPool.write / write_positions, to_device)
+    and the scheduler's KV bookkeeping (reading a request's slots, caching them in the radix tree, evicting and
+    freeing pages) never wait for the device: overlap scheduling plans batch N+1 while batch N runs. CUDA's
+    sync debug mode raises on any synchronizing call."""
     from engine.device_copy import to_device
     from engine.forward_batch import ForwardBatch, ForwardMode
+    from engine.memory.allocator import TokenToKVPoolAllocator
+    from engine.memory.radix_cache import RadixCache
     from engine.memory.req_to_token import ReqToTokenPool
 
     device = torch.device("cuda")
     pool = ReqToTokenPool(size=4, max_context_len=64, device=device)
+    allocator = TokenToKVPoolAllocator(num_pages=64, page_size=1)
+    tree = RadixCache(allocator)
     busy = torch.randn(4096, 4096, device=device)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -229,13 +234,20 @@ def test_gpu_planning_copies_do_not_synchronize():
         for _ in range(20):  # keep the device busy while the host plans
             busy = busy @ busy / 64
         pool.write(1, 0, torch.arange(5, 10))
+        pool.write_positions(torch.tensor([1]), torch.tensor([5]), torch.tensor([10]))
         fb = ForwardBatch.build(ForwardMode.DECODE, [3, 4], [5, 6], torch.tensor([11, 12]), [1, 2], [6, 7], [5, 6],
                                 device)
         x = to_device(torch.tensor([1.5, 2.5]), device)
+        slots = allocator.alloc_extend([0], [6], [-1])
+        pool.write(2, 0, slots)
+        tree.insert([1, 2, 3, 4, 5, 6], pool.read(2, 6))
+        read = pool.read(1, 6)
+        evicted = tree.evict(6)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert fb.input_ids.tolist() == [3, 4] and fb.out_cache_loc.tolist() == [11, 12] and x.tolist() == [1.5, 2.5]
-    assert pool.read(1, 5).tolist() == [5, 6, 7, 8, 9]
+    assert read.tolist() == [5, 6, 7, 8, 9, 10] and pool.req_to_token[1, :6].tolist() == [5, 6, 7, 8, 9, 10]
+    assert evicted == 6 and allocator.available_size() == allocator.size
 
 
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])

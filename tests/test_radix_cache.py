@@ -63,11 +63,11 @@ def test_insert_then_match_returns_inserted_slots():
     cache, alloc = make()
     value = put(cache, alloc, [1, 2, 3, 4])
     m = cache.match_prefix([1, 2, 3, 4, 5])
-    assert m.prefix_len == 4 and m.device_indices.tolist() == value.tolist()
-    assert m.device_indices.dtype == torch.int64
+    assert m.prefix_len == 4 and m.indices.tolist() == value.tolist()
+    assert m.indices.dtype == torch.int64
     assert cache.match_prefix([9]).prefix_len == 0
     assert cache.match_prefix([9]).last_node is cache.root
-    assert cache.match_prefix([]).device_indices.shape == (0,)
+    assert cache.match_prefix([]).indices.shape == (0,)
 
 
 def test_insert_returns_already_cached_prefix_len():
@@ -76,7 +76,7 @@ def test_insert_returns_already_cached_prefix_len():
     value = alloc.alloc(5)
     assert cache.insert([1, 2, 3, 4, 5], value) == 3
     alloc.free(value[:3])
-    assert cache.match_prefix([1, 2, 3, 4, 5]).device_indices.tolist() == first.tolist() + value[3:].tolist()
+    assert cache.match_prefix([1, 2, 3, 4, 5]).indices.tolist() == first.tolist() + value[3:].tolist()
     assert cache.total_size() == 5
 
 
@@ -84,7 +84,7 @@ def test_match_splits_node_inside_run():
     cache, alloc = make()
     value = put(cache, alloc, [1, 2, 3, 4, 5])
     m = cache.match_prefix([1, 2, 3, 9])
-    assert m.prefix_len == 3 and m.device_indices.tolist() == value[:3].tolist()
+    assert m.prefix_len == 3 and m.indices.tolist() == value[:3].tolist()
     assert m.last_node.key == [1, 2, 3]
     assert list(m.last_node.children.values())[0].key == [4, 5]
     assert cache.total_size() == 5 and alloc.freed == []  # split changes no ownership
@@ -104,7 +104,7 @@ def test_tensor_key_and_value_is_copied():
     cache.insert(torch.tensor([5, 6, 7]), value)
     expected = value.tolist()
     value.fill_(-1)  # e.g. the caller's req_to_token row gets reused
-    assert cache.match_prefix(torch.tensor([5, 6, 7])).device_indices.tolist() == expected
+    assert cache.match_prefix(torch.tensor([5, 6, 7])).indices.tolist() == expected
 
 
 def test_insert_rejects_value_of_wrong_length():
@@ -126,7 +126,7 @@ def test_page_size_16_matches_whole_pages_only():
     assert cache.match_prefix(key[:31]).prefix_len == 16
     diverge = key[:20] + [999] + key[21:]  # differs inside page 2: only page 1 matches
     m = cache.match_prefix(diverge)
-    assert m.prefix_len == 16 and m.device_indices.tolist() == slots[:16].tolist()
+    assert m.prefix_len == 16 and m.indices.tolist() == slots[:16].tolist()
     assert m.last_node.key == key[:16]  # split at the page boundary
     assert set(cache.root.children) == {tuple(range(16))}  # children keyed by first page
     assert all(isinstance(k, tuple) and len(k) == ps for k in m.last_node.children)
@@ -237,7 +237,7 @@ def test_disabled_cache_stores_and_frees_nothing():
     value = alloc.alloc(3)
     assert cache.insert([1, 2, 3], value) == 0
     m = cache.match_prefix([1, 2, 3])
-    assert m.prefix_len == 0 and m.last_node is cache.root and m.device_indices.numel() == 0
+    assert m.prefix_len == 0 and m.last_node is cache.root and m.indices.numel() == 0
     assert cache.total_size() == 0 and cache.evict(10) == 0 and alloc.freed == []
     assert cache.drain_events() == []
     cache.inc_lock_ref(m.last_node)
@@ -335,7 +335,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
         self.clock += 1
         m = self.cache.match_prefix(key)
         n, slots = self._model_match(key)
-        assert m.prefix_len == n and m.device_indices.tolist() == slots
+        assert m.prefix_len == n and m.indices.tolist() == slots
         self._touch(key, n)
         self.queried += len(key)
         self.matched += n
@@ -391,7 +391,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
         m = self._do_match(key)
         self.cache.inc_lock_ref(m.last_node)
         own = self.alloc.alloc(len(key) - m.prefix_len).tolist()
-        self.requests.append(Request(key, m.last_node, m.prefix_len, m.device_indices.tolist() + own))
+        self.requests.append(Request(key, m.last_node, m.prefix_len, m.indices.tolist() + own))
 
     @precondition(lambda self: self.requests)
     @rule(data=st.data(), cache_it=st.booleans())

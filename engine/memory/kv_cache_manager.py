@@ -9,6 +9,9 @@ extension, caching of partial work, and release, so that
         == allocator.size
 
 holds at every step (tests check it via `engine.stats()`).
+
+Every slot index this module handles is a host tensor (allocator, radix cache, the host copy of the
+request → slot table), so planning, caching and freeing never wait for the device.
 """
 from __future__ import annotations
 
@@ -16,7 +19,6 @@ from typing import List, Optional
 
 import torch
 
-from engine.device_copy import to_device
 from engine.memory.allocator import TokenToKVPoolAllocator
 from engine.memory.radix_cache import RadixCache
 from engine.memory.req_to_token import ReqToTokenPool
@@ -70,20 +72,19 @@ class KVCacheManager:
         if self.use_tree:
             m = self.tree.match_prefix(self._match_key(req))
             self.tree.inc_lock_ref(m.last_node)
-            req.last_node, req.prefix_indices, req.prefix_len = m.last_node, m.device_indices, m.prefix_len
-            self.req_to_token_pool.write(req.req_pool_idx, 0, m.device_indices)
+            req.last_node, req.prefix_indices, req.prefix_len = m.last_node, m.indices, m.prefix_len
+            self.req_to_token_pool.write(req.req_pool_idx, 0, m.indices)
         req.kv_len = req.prefix_len
 
     def last_loc(self, req: Req) -> int:
-        """Slot of position kv_len - 1 (-1 when the request has no KV). Reads the device table (a sync)."""
+        """Slot of position kv_len - 1 (-1 when the request has no KV), from the host table."""
         if req.kv_len == 0:
             return -1
-        return int(self.req_to_token_pool.req_to_token[req.req_pool_idx, req.kv_len - 1])
+        return int(self.req_to_token_pool.host[req.req_pool_idx, req.kv_len - 1])
 
     def _last_locs(self, reqs: List[Req]) -> List[int]:
         """last_loc of each request where the allocator needs it: only pages of more than one token
-        continue a partly filled page (with page_size 1 every position starts a page, so the device
-        table is not read and planning a step never waits for the device)."""
+        continue a partly filled page."""
         if self.page_size == 1:
             return [-1] * len(reqs)
         return [self.last_loc(r) for r in reqs]
@@ -109,9 +110,7 @@ class KVCacheManager:
         if out is None:
             return None
         rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-        table = self.req_to_token_pool.req_to_token
-        rows_cols_slots = to_device(torch.stack([rows, seq_lens - 1, out]), table.device)  # one copy
-        table[rows_cols_slots[0], rows_cols_slots[1]] = rows_cols_slots[2].to(torch.int32)
+        self.req_to_token_pool.write_positions(rows, seq_lens - 1, out)
         return out
 
     # ---- caching and release ----------------------------------------------------
@@ -134,8 +133,8 @@ class KVCacheManager:
         m = self.tree.match_prefix(req.fill_ids[:aligned], record_stats=False)
         self.tree.inc_lock_ref(m.last_node)
         self.tree.dec_lock_ref(req.last_node)
-        self.req_to_token_pool.write(req.req_pool_idx, 0, m.device_indices)
-        req.last_node, req.prefix_indices, req.prefix_len = m.last_node, m.device_indices, m.prefix_len
+        self.req_to_token_pool.write(req.req_pool_idx, 0, m.indices)
+        req.last_node, req.prefix_indices, req.prefix_len = m.last_node, m.indices, m.prefix_len
 
     def release(self, req: Req, cache: bool = True) -> None:
         """Give back everything `req` holds: its computed KV goes to the tree (when caching)

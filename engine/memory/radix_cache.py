@@ -70,8 +70,8 @@ class TreeNode:
 
 @dataclass
 class MatchResult:
-    device_indices: torch.Tensor
-    """(prefix_len,) int64, allocator's device: KV slots of the matched prefix, in order."""
+    indices: torch.Tensor
+    """(prefix_len,) int64, host: KV slots of the matched prefix, in order."""
     last_node: TreeNode
     """Deepest matched node (the root if nothing matched); lock it to protect the prefix."""
     prefix_len: int

@@ -18,7 +18,11 @@ class ReqToTokenPool:
         self.size = size
         self.max_context_len = max_context_len
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=device)
-        """(size, max_context_len) int32, device."""
+        """(size, max_context_len) int32, device: what the attention kernels read."""
+        self.host = self.req_to_token if self.req_to_token.device.type == "cpu" else torch.zeros(
+            (size, max_context_len), dtype=torch.int32)
+        """The same table on the host, written together with it: what the scheduler reads. Reading the
+        device table would make the host wait for the batch in flight (overlap scheduling)."""
         self._free_rows: List[int] = list(range(size - 1, -1, -1))
 
     def available_size(self) -> int:
@@ -34,11 +38,22 @@ class ReqToTokenPool:
         self._free_rows.append(row)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        """Record that positions [start, start + len(slots)) of `row` live at `slots`."""
-        if slots.device.type == "cpu":
-            slots = to_device(slots, self.req_to_token.device, torch.int32)
-        self.req_to_token[row, start:start + slots.numel()] = slots.to(torch.int32)
+        """Record that positions [start, start + len(slots)) of `row` live at `slots` (host int64: slots
+        come from the allocator and the radix cache, both on the host)."""
+        if slots.device.type != "cpu":
+            raise ValueError("slot indices must be a host tensor (allocator, radix cache)")
+        end = start + slots.numel()
+        self.host[row, start:end] = slots
+        if self.req_to_token is not self.host:
+            self.req_to_token[row, start:end] = to_device(slots, self.req_to_token.device, torch.int32)
+
+    def write_positions(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> None:
+        """req_to_token[rows[i], cols[i]] = slots[i] (host int64 tensors of one length; a decode step)."""
+        self.host[rows, cols] = slots.to(torch.int32)
+        if self.req_to_token is not self.host:
+            rows_cols_slots = to_device(torch.stack([rows, cols, slots]), self.req_to_token.device)  # one copy
+            self.req_to_token[rows_cols_slots[0], rows_cols_slots[1]] = rows_cols_slots[2].to(torch.int32)
 
     def read(self, row: int, length: int) -> torch.Tensor:
-        """(length,) int64 — slots of positions [0, length) of `row`."""
-        return self.req_to_token[row, :length].to(torch.int64)
+        """(length,) int64, host — slots of positions [0, length) of `row`."""
+        return self.host[row, :length].to(torch.int64)
