@@ -55,6 +55,9 @@ class WorkerItem:
     """engine.outputs.StreamOutput (token ids, text "")."""
     error: Optional[BaseException] = None
 
+    def __reduce__(self):  # one per request per engine step: a positional tuple pickles fastest
+        return (WorkerItem, (self.rid, self.output, self.error))
+
 
 @dataclass(frozen=True)
 class WorkerReport:
