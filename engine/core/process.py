@@ -9,7 +9,8 @@ makes text or writes SSE, and the front end must never wait for a step. Messages
 (one StepOutputs for every request), so the per-token cost of the boundary is one pickle per step.
 ZMQ (pyzmq) carries the frames: the transport SGLang and vLLM use between the same two processes.
 
-Start: the front end binds both sockets, starts the child with the CoreSpec on its stdin, and waits for
+Start: the front end binds both sockets (Linux: in the abstract socket namespace, so nothing is left on
+disk), starts the child with the CoreSpec on its stdin, and waits for
 CoreInfo (or CoreFailed) while watching that the child is alive. The child connects, builds the
 EngineCore (model load), answers CoreInfo, then runs the loop. It ignores SIGINT (the front end shuts it
 down with a Shutdown message) and exits when its parent is gone.
@@ -35,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
@@ -59,6 +61,15 @@ class CoreSpec:
     log_level: int
 
 
+_ABSTRACT = sys.platform.startswith("linux")
+"""Linux: ipc endpoints in the abstract socket namespace ("@name"), which leave no file behind whatever
+way the processes end; elsewhere, socket files in a private temp folder."""
+
+
+def _endpoint(base: str, name: str) -> str:
+    return f"ipc://{base}-{name}" if base.startswith("@") else f"ipc://{os.path.join(base, name)}"
+
+
 def _dumps(obj: Any) -> bytes:
     return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
@@ -79,7 +90,8 @@ class ProcessCore(CoreClient):
 
         super().__init__(on_outputs, on_dead)
         self._zmq = zmq
-        self._dir = tempfile.mkdtemp(prefix="radixserve-core-")
+        self._dir = None if _ABSTRACT else tempfile.mkdtemp(prefix="radixserve-core-")
+        self._base = f"@radixserve-core-{os.getpid()}-{uuid.uuid4().hex}" if _ABSTRACT else self._dir
         self._ctx = zmq.Context()
         self._push = self._socket(zmq.PUSH, "in")
         self._pull = self._socket(zmq.PULL, "out")
@@ -100,14 +112,14 @@ class ProcessCore(CoreClient):
         sock.setsockopt(self._zmq.LINGER, 0)
         sock.setsockopt(self._zmq.SNDHWM, 0)
         sock.setsockopt(self._zmq.RCVHWM, 0)
-        sock.bind(f"ipc://{os.path.join(self._dir, name)}")
+        sock.bind(_endpoint(self._base, name))
         return sock
 
     def _spawn(self, config: EngineConfig) -> subprocess.Popen:
         env = dict(os.environ)
         # The child imports this package from wherever the parent did (a Ray worker's working dir too).
         env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
-        proc = subprocess.Popen([sys.executable, "-m", "engine.core.process", self._dir], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-m", "engine.core.process", self._base], stdin=subprocess.PIPE,
                                 env=env)
         spec = CoreSpec(config, os.getpid(), logging.getLogger().getEffectiveLevel())
         proc.stdin.write(_dumps(spec))
@@ -280,7 +292,8 @@ class ProcessCore(CoreClient):
         with self._recv_lock:
             self._pull.close(0)
         self._ctx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     @property
     def pid(self) -> int:
@@ -309,8 +322,8 @@ def main(argv: List[str]) -> None:
         sock.setsockopt(zmq.LINGER, 5000)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
-    pull.connect(f"ipc://{os.path.join(argv[0], 'in')}")
-    push.connect(f"ipc://{os.path.join(argv[0], 'out')}")
+    pull.connect(_endpoint(argv[0], "in"))
+    push.connect(_endpoint(argv[0], "out"))
 
     def send(obj: Any) -> None:
         push.send(_dumps(obj), copy=False)
