@@ -50,7 +50,7 @@ import numpy as np
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
 from cluster.early_prefill import StartedPrompts
-from cluster.ingress import ClusterBackend, _awaited, _unwrap
+from cluster.ingress import ClusterBackend, RequestProgress, _awaited, _unwrap
 from cluster.kv_transfer import MAX_MESSAGE_BYTES, PeerInfo, kv_pool_buffers, make_backend
 from cluster.latency import RequestClock
 from cluster.worker import WorkerBase, WorkerItem, WrongReplicaError
@@ -258,8 +258,11 @@ class DecodeWorker(_KVEndpoint, WorkerBase):
         channel.rids.add(rid)
         self._pumps[rid] = asyncio.ensure_future(pump())
 
-    def abort(self, rid: str) -> None:
-        """Abort request (or choice) `rid` here: its stream stops, the engine frees its pages."""
+    def abort(self, rid: str, replica_id: Optional[str] = None) -> None:
+        """Abort request (or choice) `rid` here: its stream stops, the engine frees its pages (see
+        WorkerBase.abort)."""
+        if replica_id is not None and replica_id != self.replica_id:
+            return
         pump = self._pumps.pop(rid, None)
         if pump is not None:
             pump.cancel()  # generate_stream's end aborts the request (and a remote prefill in flight)
@@ -368,30 +371,19 @@ class DisaggregatedBackend(ClusterBackend):
             text = OutputText(self.tokenizer, input_ids, params)
             pair = await self._ask_router(self.router.route_pair.remote(input_ids, rid),
                                           lambda late: self._finish_pair(late, RequestClock()))
-            streamed, clock, running = False, RequestClock(), params.n
+            progress, clock = RequestProgress(params.n), RequestClock()
             decode_id = pair.decode.worker_id
             early_key = self._start_prefill(input_ids, params, rid, pair.prefill.worker_id, attempt)
-            stream = self.stream_from(decode_id)
-            queue = stream.open(rid)
-            self._active[rid] = decode_id
+            queue = self._open(decode_id, rid)
             self._on_failure(self.workers.options(session_id=decode_id).submit_disaggregated.remote(
                 input_ids, params, rid, pair.prefill.worker_id, early_key, self.ingress_id, decode_id), rid, queue)
             try:
-                while True:
-                    item = await queue.get()
-                    if item.error is not None:
-                        raise item.error
-                    clock.on_chunk((item.output,))
-                    running -= item.output.finish_reason is not None
-                    out = self._with_text(text, item.output, decode_id, rid, params.n)
-                    if out is not None:
-                        streamed = True
-                        yield out
-                    if text.finished:
-                        return
+                async for out in self._outputs(queue, text, decode_id, rid, params.n, clock, progress):
+                    yield out
+                return
             except Exception as exc:  # noqa: BLE001 - retried before the first token, else raised
                 cause = _unwrap(exc)
-                retry = not streamed and attempt < MAX_ATTEMPTS and (
+                retry = not progress.streamed and attempt < MAX_ATTEMPTS and (
                     isinstance(cause, (PrefillFailedError, WrongReplicaError)) or _is_dead(cause))
                 await self._report_failure(pair, cause)
                 if not retry:
@@ -399,12 +391,10 @@ class DisaggregatedBackend(ClusterBackend):
                 logger.warning("request %s: attempt %d failed before streaming (%r); retrying on a new pair",
                                rid, attempt, cause)
             finally:
-                stream.close(rid)
-                if self._active.pop(rid, None) is not None and running:  # still generating there
-                    self._abort_on(decode_id, rid)
+                self._close(decode_id, rid, progress)
                 self.latency.on_request(clock)
                 self._finish_pair(pair, clock)
-                if early_key and not streamed:  # claimed already if a token came; else drop it now
+                if early_key and not progress.streamed:  # claimed already if a token came; else drop it now
                     self._send(lambda: self.prefill_pool.options(session_id=pair.prefill.worker_id)
                                .forget_prefill.remote(early_key))
 

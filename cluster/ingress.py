@@ -21,6 +21,7 @@ import asyncio
 import contextvars
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 
 from fastapi import FastAPI
@@ -117,6 +118,17 @@ class WorkerStream:
         self._task.cancel()
 
 
+@dataclass
+class RequestProgress:
+    """What the ingress knows of one request while it streams."""
+    running: int
+    """Choices still generating on the worker (aborted there if the request ends early)."""
+    streamed: bool = False
+    """Something reached the client: the request can no longer be retried elsewhere."""
+    failed: bool = False
+    """An error ended it (from the worker, its submit, or the stream): nothing of it runs there any more."""
+
+
 class ClusterBackend(ServingBackend):
     """A ServingBackend whose requests run on the worker the router chose."""
 
@@ -177,38 +189,56 @@ class ClusterBackend(ServingBackend):
         for attempt in range(1, MAX_ROUTE_ATTEMPTS + 1):
             decision = await self._ask_router(self.router.route.remote(input_ids, rid),
                                               lambda late: self._finish(late.worker_id))
-            worker_id, streamed, running = decision.worker_id, False, params.n
-            stream = self.stream_from(worker_id)
-            queue = stream.open(rid)
+            worker_id = decision.worker_id
+            progress = RequestProgress(params.n)
             clock = RequestClock()  # the worker call → first message (the routing call is timed apart)
-            self._active[rid] = worker_id
-            submit = self.workers.options(session_id=worker_id).submit.remote(
-                input_ids, params, rid, self.ingress_id, worker_id)
-            self._on_failure(submit, rid, queue)
+            queue = self._open(worker_id, rid)
+            self._on_failure(self.workers.options(session_id=worker_id).submit.remote(
+                input_ids, params, rid, self.ingress_id, worker_id), rid, queue)
             try:
-                while True:
-                    item = await queue.get()
-                    if item.error is not None:
-                        raise item.error
-                    clock.on_chunk((item.output,))
-                    running -= item.output.finish_reason is not None
-                    out = self._with_text(text, item.output, worker_id, rid, params.n)
-                    if out is not None:
-                        streamed = True
-                        yield out
-                    if text.finished:
-                        return
+                async for out in self._outputs(queue, text, worker_id, rid, params.n, clock, progress):
+                    yield out
+                return
             except Exception as exc:  # noqa: BLE001 - a worker that left before streaming: route again
                 cause = _unwrap(exc)
-                if streamed or attempt == MAX_ROUTE_ATTEMPTS or not _worker_gone(cause):
+                if progress.streamed or attempt == MAX_ROUTE_ATTEMPTS or not _worker_gone(cause):
                     raise cause from None
                 await self._report_dead(worker_id)
             finally:
-                stream.close(rid)
-                if self._active.pop(rid, None) is not None and running:  # still generating there
-                    self._abort_on(worker_id, rid)
+                self._close(worker_id, rid, progress)
                 self.latency.on_request(clock)
                 self._finish(worker_id, timing=clock.timing())
+
+    def _open(self, worker_id: str, rid: str) -> "asyncio.Queue[WorkerItem]":
+        """The queue of request `rid`'s items on this replica's stream from `worker_id`."""
+        self._active[rid] = worker_id
+        return self.stream_from(worker_id).open(rid)
+
+    async def _outputs(self, queue: "asyncio.Queue[WorkerItem]", text: OutputText, worker_id: str, rid: str,
+                       n: int, clock: RequestClock, progress: "RequestProgress") -> AsyncIterator[Any]:
+        """The request's outputs with their text, until its last choice has ended here; raises the error that
+        ended it on the worker."""
+        while True:
+            item = await queue.get()
+            if item.error is not None:
+                progress.failed = True
+                raise item.error
+            clock.on_chunk((item.output,))
+            progress.running -= item.output.finish_reason is not None
+            out = self._with_text(text, item.output, worker_id, rid, n)
+            if out is not None:
+                progress.streamed = True
+                yield out
+            if text.finished:
+                return
+
+    def _close(self, worker_id: str, rid: str, progress: "RequestProgress") -> None:
+        """The request is over here: stop routing its items; abort it on the worker if it still runs there."""
+        stream = self._streams.get(worker_id)
+        if stream is not None:
+            stream.close(rid)
+        if self._active.pop(rid, None) is not None and progress.running and not progress.failed:
+            self._abort_on(worker_id, rid)
 
     def _on_failure(self, call: Any, rid: str, queue: "asyncio.Queue[WorkerItem]") -> None:
         """A submit that raises (invalid request, wrong replica) ends the request with its error."""
@@ -237,7 +267,7 @@ class ClusterBackend(ServingBackend):
             pass
 
     def _abort_on(self, worker_id: str, engine_rid: str) -> None:
-        self._send(lambda: self.workers.options(session_id=worker_id).abort.remote(engine_rid))
+        self._send(lambda: self.workers.options(session_id=worker_id).abort.remote(engine_rid, worker_id))
 
     def _finish(self, worker_id: str, timing: Any = None) -> None:
         self._send(lambda: self.router.finish.remote(worker_id, timing=timing))

@@ -147,9 +147,12 @@ class WorkerBase:
             raise WrongReplicaError(f"a call meant for replica {replica_id} reached {self.replica_id}")
 
     # ---- requests --------------------------------------------------------------------------------
-    def abort(self, rid: str) -> None:
+    def abort(self, rid: str, replica_id: Optional[str] = None) -> None:
         """Abort request (or choice: "<rid>#<i>") `rid` here; a no-op when it is gone. A request not seen
-        yet (its submit is still on the way) is refused when it comes."""
+        yet (its submit is still on the way) is refused when it comes. `replica_id`: the replica the abort
+        is meant for; one that reached another replica (the named one left) is ignored."""
+        if replica_id is not None and replica_id != self.replica_id:
+            return
         if not any(rid in c.rids for c in self._channels.values()):
             self._early_aborts[rid] = None
             while len(self._early_aborts) > MAX_EARLY_ABORTS:

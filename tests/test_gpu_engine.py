@@ -272,3 +272,37 @@ def test_gpu_pdl_does_not_change_greedy_outputs(backend):
             gc.collect()
             torch.cuda.empty_cache()
     assert runs[False] == runs[True]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gpu_core_process_gives_the_thread_core_outputs(dtype):
+    """The server's engine (core in its own process, which owns the GPU) runs the same kernels on the same
+    batches as the core in a thread: identical tokens, text and finish reasons, no leaked page."""
+    from conftest import assert_no_leak
+
+    params = dict(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True)
+    runs = []
+    for core_process in (False, True):
+        engine = make_engine(device="cuda", dtype=dtype, core_process=core_process)
+        try:
+            runs.append([(o.token_ids, o.text, o.finish_reason) for o in engine.generate(PROMPTS, params)])
+            assert_no_leak(engine)
+        finally:
+            engine.shutdown()
+            gc.collect()
+            torch.cuda.empty_cache()
+    assert runs[0] == runs[1]
+
+
+def test_gpu_mixed_steps_do_not_change_float32_outputs(default_engine):
+    """float32, Triton: prompts arriving while others decode (the decode rows then run through the extend
+    kernels of a mixed step) give the CPU float32 engine's tokens."""
+    from test_mixed_chunk import GREEDY, _staggered
+
+    want = {p: o.token_ids for p, o in zip(PROMPTS, default_engine.generate(PROMPTS, GREEDY))}
+    engine = make_engine(device="cuda", dtype="float32", attention_backend="triton", enable_mixed_chunk=True)
+    try:
+        got, mixed = _staggered(engine, every=3)
+    finally:
+        engine.shutdown()
+    assert mixed > 0 and got == want

@@ -94,3 +94,48 @@ def test_worker_stream_routes_items_and_fails_all_on_a_break():
     assert [i.output for i in got_a[:2]] == ["a0", "a1"] and isinstance(got_a[2].error, RuntimeError)
     assert got_b[0].output == "b0" and isinstance(got_b[1].error, RuntimeError)  # "x" had no queue: dropped
     assert isinstance(late.error, RuntimeError) and ended == [stream]
+
+
+class _RecordingEngine:
+    """Stands in for engine.Engine: records what the worker asks of it."""
+
+    def __init__(self):
+        self.submitted, self.aborted = [], []
+
+    def submit(self, input_ids, params, on_output, rid=None):
+        self.submitted.append(rid)
+        return rid
+
+    def abort(self, rid):
+        self.aborted.append(rid)
+
+
+def _bare_worker(replica_id: str):
+    """A Worker without Ray: its replica id and a recording engine."""
+    import collections
+
+    from cluster.worker import Worker
+
+    worker = Worker.__new__(Worker)
+    worker.replica_id, worker.engine = replica_id, _RecordingEngine()
+    worker._channels, worker._early_aborts = {}, collections.OrderedDict()
+    worker._served, worker._first_output = collections.deque(), {"first_output_s": 0.0, "first_output_requests": 0}
+    return worker
+
+
+def test_aborts_race_submits_and_stray_aborts_are_ignored():
+    """An abort can overtake its request's submit (two calls): the submit is then refused. An abort meant for
+    a replica that left reaches another one: it is ignored there, so a request retried there still runs."""
+    from engine.sampling_params import SamplingParams
+
+    worker = _bare_worker("me")
+
+    async def run():
+        worker.abort("stray", "gone")  # pinned to a dead replica, delivered here
+        await worker.submit([1, 2], SamplingParams(), "stray", "ingress", "me")  # the retry lands here
+        worker.abort("early", "me")  # overtook its submit
+        await worker.submit([1, 2], SamplingParams(), "early", "ingress", "me")
+        await worker.submit([1, 2], SamplingParams(), "early", "ingress", "me")  # a tombstone is used once
+    asyncio.run(run())
+    assert worker.engine.submitted == ["stray", "early"]
+    assert worker.engine.aborted == ["early"]
