@@ -75,8 +75,9 @@ class _ClusterFields(BaseModel):
     decode_workers: int = Field(1, ge=1, description="disaggregated: replicas in the decode pool.")
     kv_transfer: KVTransferName = Field("nixl", description="disaggregated: how KV pages move from prefill to "
                                         "decode replicas: nixl (UCX; GPU or host memory) or nccl (GPUs only).")
-    kv_transfer_timeout_s: float = Field(30.0, gt=0.0, description="disaggregated: a KV handoff not done in "
-                                         "this time fails; pages are freed on both sides.")
+    kv_transfer_timeout_s: float = Field(30.0, gt=0.0, description="disaggregated: a KV transfer not done "
+                                         "in this time once its prompt is computed fails; pages are freed on both "
+                                         "sides (the prompt's wait in the prefill queue is not counted).")
     early_prefill: bool = Field(True, description="disaggregated: the ingress starts each prompt on its prefill "
                                 "replica when the request arrives, while the decode replica reserves pages for "
                                 "it; off: the decode replica starts it once its pages are reserved.")

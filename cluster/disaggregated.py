@@ -51,7 +51,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError
 
 from cluster.early_prefill import StartedPrompts
 from cluster.ingress import ClusterBackend, RequestProgress, _awaited, _unwrap
-from cluster.kv_transfer import MAX_MESSAGE_BYTES, PeerInfo, kv_pool_buffers, make_backend
+from cluster.kv_transfer import MAX_MESSAGE_BYTES, KVTransferTimeout, PeerInfo, kv_pool_buffers, make_backend
 from cluster.latency import RequestClock
 from cluster.worker import WorkerBase, WorkerItem, WrongReplicaError
 from engine.text import OutputText
@@ -286,7 +286,10 @@ class DecodeWorker(_KVEndpoint, WorkerBase):
         result.add_done_callback(lambda done: self._count_call(done, called, called_at))
         self._calls.add(result)  # it may outlive this coroutine (the KV's notice came first)
         result.add_done_callback(self._calls.discard)
-        arrival = asyncio.ensure_future(self.transfer.wait(handle, self.transfer_timeout_s))
+        # The KV arrives once the prefill replica has queued and computed the prompt, which takes as long as
+        # its load says: the whole wait is bounded like the call; transfer_timeout_s bounds the transfer only
+        # (from the call's return, which comes after the prefill replica's own write is done, see _first_of).
+        arrival = asyncio.ensure_future(self.transfer.wait(handle, PREFILL_CALL_TIMEOUT_S))
         try:
             handoff = await asyncio.wait_for(self._first_of(result, arrival, handle), PREFILL_CALL_TIMEOUT_S)
         except BaseException as exc:
@@ -321,7 +324,12 @@ class DecodeWorker(_KVEndpoint, WorkerBase):
                 return pickle.loads(handle.message)  # the call returns later (_count_call)
             return (await asyncio.shield(result)).handoff  # shielded: a failure here settles the call first
         handoff = result.result().handoff  # raises if the call failed
-        await arrival  # the call returned first: wait until the bytes have landed here
+        # The call returned first (the writer saw its write done): the completion notice is on its way.
+        done, _ = await asyncio.wait([arrival], timeout=self.transfer_timeout_s)
+        if not done:
+            raise KVTransferTimeout(f"transfer {handle.transfer_id!r}: the prefill replica wrote it, but its "
+                                    f"completion notice did not come in {self.transfer_timeout_s:.3g} s")
+        arrival.result()
         return handoff
 
     def _count_call(self, result: "asyncio.Future", called: float, called_at: float) -> None:
