@@ -10,7 +10,7 @@ times per batch size:
   gpu_ms    the device time of the same step without host work between steps (CUDA events around
             --steps back-to-back steps, no read-back)
 
---engine-tpot adds what a client sees, measured as the vLLM peer measures it (../shared/gpu/peer_vllm_bench.py):
+--engine-tpot adds what a client sees, measured the way the vLLM peer benchmark measures vLLM:
 an Engine (scheduler, overlap scheduling, CUDA graphs) generates for one fresh prompt of --tpot-input-len
 random tokens, once 1 token and once --tpot-output-len tokens; time per output token = (t[out] - t[1]) /
 (out - 1), median of --tpot-trials; its roofline uses the mean context, input + output / 2.

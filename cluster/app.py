@@ -19,7 +19,7 @@ Deployments (one application):
                decode replica's pool through cluster.kv_transfer (nixl | nccl), then decode streams
 
 No `from __future__ import annotations` in this module: Serve validates the builder's argument
-with the annotated pydantic model only when the annotation is a real class (RAY_SERVE_NOTES §6).
+with the annotated pydantic model only when the annotation is a real class (docs/design.md).
 """
 import logging
 import os

@@ -10,7 +10,7 @@ engine.config.EngineConfig's fields and help texts, so the two never drift; each
 its Engine from `engine_options()`. `enable_cache_events` is always on (the router needs it).
 
 No `from __future__ import annotations` here: Serve applies the builder's pydantic annotation only
-when it is a real class (RAY_SERVE_NOTES §6).
+when it is a real class (docs/design.md).
 """
 import dataclasses
 import json

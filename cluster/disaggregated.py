@@ -1,6 +1,6 @@
 """Disaggregated serving: the Prefill and Decode pools and the ingress backend that pairs them.
 
-One request (DESIGN §1):
+One request (docs/disaggregation.md):
 
     Ingress (DisaggregatedBackend)
       1. Router.route_pair(input_ids) ─▶ PairDecision(prefill replica, decode replica)

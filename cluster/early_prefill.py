@@ -2,7 +2,7 @@
 
 With early_prefill the ingress sends each prompt to its prefill replica (start_prefill) while the decode
 replica reserves pages; the decode replica's prefill call then claims the started prompt by its key, so
-the prompt computes during the reservation and the call's transport (DESIGN §1, cluster/disaggregated.py).
+the prompt computes during the reservation and the call's transport (docs/disaggregation.md).
 
     start(key) ──▶ engine.prefill_for_handoff(rid=key)  (computing, then holding its KV pages)
     claim(key) ──▶ the started prompt, for the prefill call that writes it (and releases the hold)

@@ -7,13 +7,13 @@ elsewhere (cluster.router.router.RouterDeployment); this class only obeys it:
 
     session_id names a live replica  → [[that replica]]     (Serve waits for a free slot there)
     session_id unknown / missing      → [all candidates]     (the pinned replica died or left:
-                                                              fall back rather than spin, RAY_SERVE_NOTES §1b)
+                                                              fall back rather than spin, docs/design.md)
 
 Membership: `update_replicas` (every replica-set broadcast of the controller) and
 `on_replica_actor_died` write the live unique ids into cluster.membership (process-global, per
 deployment), which the router deployment reads in-process.
 
-Pitfall handled (RAY_SERVE_NOTES §1a): calls made while serving one request share its
+Pitfall handled (docs/design.md): calls made while serving one request share its
 internal_request_id, so the base class can hand a replica to the wrong pending call or none at
 all. `_fulfill_next_pending_request` here hands the replica to exactly the pending call that was
 routed (matched by its metadata object). It overrides a private Ray 2.60 hook: re-check on upgrades.

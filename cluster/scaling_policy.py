@@ -9,7 +9,7 @@
 
 Why this path, and not the external scaler API: `serve run cluster.app:deployment` calls
 `serve.run(app)` without `external_scaler_enabled`, and both the REST scale endpoint and the
-controller's `update_deployment_replicas` refuse to act without it (RAY_SERVE_NOTES §4; checked in
+controller's `update_deployment_replicas` refuse to act without it (docs/design.md; checked in
 ray 2.60 `serve/scripts.py` and `_private/controller.py`). A deployment-level custom autoscaling
 policy works for `serve run`, `serve deploy`, the YAML config and KubeRay alike, changes only its own
 deployment (no restarts elsewhere), and Serve stays the one that starts and stops replicas. The policy

@@ -1,6 +1,6 @@
 """Text ⇄ token ids for one model: loading, chat templates, streaming detokenization, stop strings.
 
-Data flow (DESIGN §1: tokenize once, at the ingress):
+Data flow (tokenize once, at the front end: docs/design.md):
 
     messages ──Tokenizer.apply_chat_template──▶ prompt ids ──▶ router / workers (ids only)
     output ids (streamed) ──IncrementalDetokenizer.step──▶ text deltas ──StopStringMatcher.feed──▶ client

@@ -16,6 +16,6 @@ Data flow and owners:
                               in-process engine.Engine; the cluster's ingress brings its own
          ◀─ chat_stream.py / completions.py: StreamOutputs → JSON or SSE chunks; protocol.py models
 
-Tokenize once, here (DESIGN §1): backends see token ids only. Errors leave as OpenAI error bodies
+Tokenize once, here (docs/design.md): backends see token ids only. Errors leave as OpenAI error bodies
 (errors.py). `python -m serving --model PATH` runs the single-node server (__main__.py).
 """

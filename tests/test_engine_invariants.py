@@ -1,4 +1,4 @@
-"""The greedy-output invariant (DESIGN.md §4) on the default model, CPU float32.
+"""The greedy-output invariant (docs/design.md) on the default model, CPU float32.
 
 Reference 1: Hugging Face transformers on the same dequantized weights.
 Reference 2: the engine's own default configuration; every optimisation

@@ -1,6 +1,6 @@
 """Text made outside the engine: an engine with detokenize=False streams token ids only, and
 engine.text.OutputText turns them into exactly the text, stop point and token counts that an
-engine which detokenizes itself returns (the greedy-output invariant, DESIGN §4)."""
+engine which detokenizes itself returns (the greedy-output invariant, docs/design.md)."""
 import asyncio
 import dataclasses
 

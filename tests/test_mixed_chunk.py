@@ -1,5 +1,5 @@
 """Mixed chunked prefill (EngineConfig.enable_mixed_chunk): a prompt that arrives while others decode is
-computed in the same step as their next tokens. Greedy outputs must not change (DESIGN §4), with and
+computed in the same step as their next tokens. Greedy outputs must not change (docs/design.md), with and
 without overlap scheduling, with pages of 1 and 16 tokens and with prompts chunked over several steps;
 no page may leak."""
 import pytest

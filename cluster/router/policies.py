@@ -92,7 +92,7 @@ class CacheAwarePolicy(RoutingPolicy):
        max_load > balance_rel_threshold * min_load — route to the least loaded worker.
     2. Else match the prompt against every worker's tree. If the best match rate
        matched / len(prompt) > cache_threshold, route to that worker (ties: lower load).
-    3. Else (a miss) route to the least loaded worker (DESIGN §6; ties: smaller tree),
+    3. Else (a miss) route to the least loaded worker (ties: smaller tree),
        or with miss_policy="smallest_tree" to SGLang's choice, the smallest tree.
     Remaining ties go to the earlier-joined worker.
     """
