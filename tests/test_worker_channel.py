@@ -109,6 +109,9 @@ class _RecordingEngine:
     def abort(self, rid):
         self.aborted.append(rid)
 
+    def shutdown(self):
+        pass
+
 
 def _bare_worker(replica_id: str):
     """A Worker without Ray: its replica id and a recording engine."""
