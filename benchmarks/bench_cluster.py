@@ -24,6 +24,7 @@ workload; --workload LABEL "ARGS" adds a named workload with its own bench_servi
 come after the common ones, so they win); without --workload, each of --datasets is one workload.
 --base-url and --out of bench_serving are set here.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,9 +46,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_serving as bs  # noqa: E402
 from bench_offline import hardware  # noqa: E402
 
-COMPARED = (("server_cache_hit_rate", "cache hit rate"), ("request_throughput", "req/s"),
-            ("total_throughput_tok_s", "total tok/s"), ("ttft_ms.p50", "TTFT p50 ms"), ("ttft_ms.p99", "TTFT p99 ms"),
-            ("itl_ms.p50", "ITL p50 ms"), ("itl_ms.p99", "ITL p99 ms"))
+COMPARED = (
+    ("server_cache_hit_rate", "cache hit rate"),
+    ("request_throughput", "req/s"),
+    ("total_throughput_tok_s", "total tok/s"),
+    ("ttft_ms.p50", "TTFT p50 ms"),
+    ("ttft_ms.p99", "TTFT p99 ms"),
+    ("itl_ms.p50", "ITL p50 ms"),
+    ("itl_ms.p99", "ITL p99 ms"),
+)
 
 
 def lookup(summary: Dict[str, Any], key: str) -> Optional[float]:
@@ -105,8 +112,10 @@ def replica_counters(base_url: str) -> Dict[str, float]:
     from cluster.disaggregated import HANDOFF_COUNTERS
 
     stats = httpx.get(f"{base_url}/router/stats", timeout=30).json()
-    out = {k: sum(w["engine"].get(k, 0.0) for w in stats["workers"].values())
-           for k in HANDOFF_COUNTERS + FIRST_OUTPUT_COUNTERS}
+    out = {
+        k: sum(w["engine"].get(k, 0.0) for w in stats["workers"].values())
+        for k in HANDOFF_COUNTERS + FIRST_OUTPUT_COUNTERS
+    }
     out.update({k: stats["ingress"][k] for k in INGRESS_COUNTERS})
     return out
 
@@ -119,9 +128,11 @@ def _mean_ms(before: Dict[str, float], after: Dict[str, float], seconds: str, co
 def ttft_split(before: Dict[str, float], after: Dict[str, float]) -> Dict[str, float | None]:
     """Means over one workload (ms): the ingress's routing call; its worker call → first message; the
     worker's own call start → first message (its transport out and back is the difference)."""
-    return {"route_rpc_ms": _mean_ms(before, after, "route_rpc_s", "route_rpc_calls"),
-            "first_message_ms": _mean_ms(before, after, "first_message_s", "first_message_requests"),
-            "worker_first_output_ms": _mean_ms(before, after, "first_output_s", "first_output_requests")}
+    return {
+        "route_rpc_ms": _mean_ms(before, after, "route_rpc_s", "route_rpc_calls"),
+        "first_message_ms": _mean_ms(before, after, "first_message_s", "first_message_requests"),
+        "worker_first_output_ms": _mean_ms(before, after, "first_output_s", "first_output_requests"),
+    }
 
 
 def _ms(value: float | None) -> str:
@@ -135,8 +146,11 @@ def handoff_breakdown(before: Dict[str, float], after: Dict[str, float]) -> Dict
     calls = after.get("handoff_calls", 0) - before.get("handoff_calls", 0)
     if not n or not calls:
         return {}
-    out = {k[len("handoff_"):-2] + "_ms": (after[k] - before[k]) / (n if k in _PER_REQUEST else calls) * 1e3
-           for k in after if k.startswith("handoff_") and k.endswith("_s")}
+    out = {
+        k[len("handoff_") : -2] + "_ms": (after[k] - before[k]) / (n if k in _PER_REQUEST else calls) * 1e3
+        for k in after
+        if k.startswith("handoff_") and k.endswith("_s")
+    }
     out["overhead_ms"] = out["reserve_ms"] + out["ready_ms"] - out["prefill_compute_ms"]
     out["requests"], out["notified"] = n, after["handoff_notified"] - before["handoff_notified"]
     return out
@@ -150,8 +164,11 @@ def warm_up(base_url: str, model: str, n: int) -> None:
     kernels compiled just in time, lazy initialisation) stay out of the percentiles. Their cache
     entries are a few tokens of a prompt no workload uses."""
     for i in range(n):
-        r = httpx.post(f"{base_url}/v1/completions", timeout=600,
-                       json={"model": model, "prompt": f"warm-up request {i}: count to ten.", "max_tokens": 4})
+        r = httpx.post(
+            f"{base_url}/v1/completions",
+            timeout=600,
+            json={"model": model, "prompt": f"warm-up request {i}: count to ten.", "max_tokens": 4},
+        )
         r.raise_for_status()
 
 
@@ -162,8 +179,9 @@ def run_variant(variant: Dict[str, Any], args, load_args: List[str], name: str =
     from cluster.app import deployment
     from cluster.config import ClusterArgs
 
-    common = dict(num_cpus=args.num_cpus, max_total_tokens=args.max_total_tokens, page_size=args.page_size,
-                  report_interval_s=0.25)
+    common = dict(
+        num_cpus=args.num_cpus, max_total_tokens=args.max_total_tokens, page_size=args.page_size, report_interval_s=0.25
+    )
     if variant.get("mode", "unified") == "unified":
         common["workers"] = args.workers
     cluster_args = ClusterArgs(**{**common, **variant})
@@ -177,8 +195,9 @@ def run_variant(variant: Dict[str, Any], args, load_args: List[str], name: str =
         warm_up(args.base_url, served, args.warmup_requests)
         for label, workload_args in args.workloads:
             # The served model's name first: --model in the load options wins.
-            wl = bs.build_parser().parse_args(["--model", served] + load_args + workload_args
-                                              + ["--base-url", args.base_url])
+            wl = bs.build_parser().parse_args(
+                ["--model", served] + load_args + workload_args + ["--base-url", args.base_url]
+            )
             sessions = bs.make_workload(wl)
             time.sleep(4 * common["report_interval_s"])  # the router's view of the counters includes the warm-up
             before = bs.server_cache_counters(wl.base_url, None)
@@ -191,16 +210,22 @@ def run_variant(variant: Dict[str, Any], args, load_args: List[str], name: str =
             out[label]["handoff_ms"] = handoff_breakdown(counters_before, counters_after)
             out[label]["ttft_split_ms"] = split = ttft_split(counters_before, counters_after)
             if out[label]["handoff_ms"]:
-                print(f"  {name} / {label}: handoff per request (ms) "
-                      + ", ".join(f"{k[:-3]} {v:.2f}" for k, v in out[label]["handoff_ms"].items() if k != "requests"),
-                      flush=True)
-            out[label]["output_digests"] = {r.key: hashlib.sha1(r.text.encode()).hexdigest()[:16]
-                                            for r in results if r.ok}
-            print(f"  {name} / {label}: hit rate {out[label].get('server_cache_hit_rate')}, "
-                  f"{out[label]['request_throughput']:.3f} req/s, TTFT p50 {out[label]['ttft_ms']['p50']:.1f} ms "
-                  f"(mean {out[label]['ttft_ms']['mean']:.1f} = routing call {_ms(split['route_rpc_ms'])} + worker call "
-                  f"to first message {_ms(split['first_message_ms'])}, of which in the worker "
-                  f"{_ms(split['worker_first_output_ms'])}; rest: HTTP and serving)", flush=True)
+                print(
+                    f"  {name} / {label}: handoff per request (ms) "
+                    + ", ".join(f"{k[:-3]} {v:.2f}" for k, v in out[label]["handoff_ms"].items() if k != "requests"),
+                    flush=True,
+                )
+            out[label]["output_digests"] = {
+                r.key: hashlib.sha1(r.text.encode()).hexdigest()[:16] for r in results if r.ok
+            }
+            print(
+                f"  {name} / {label}: hit rate {out[label].get('server_cache_hit_rate')}, "
+                f"{out[label]['request_throughput']:.3f} req/s, TTFT p50 {out[label]['ttft_ms']['p50']:.1f} ms "
+                f"(mean {out[label]['ttft_ms']['mean']:.1f} = routing call {_ms(split['route_rpc_ms'])} + worker call "
+                f"to first message {_ms(split['first_message_ms'])}, of which in the worker "
+                f"{_ms(split['worker_first_output_ms'])}; rest: HTTP and serving)",
+                flush=True,
+            )
     finally:
         serve.delete("bench")
     return out
@@ -221,19 +246,37 @@ def same_outputs(runs: Dict[str, Any], names: List[str], workloads: List[str]) -
 
 def main() -> None:
     argv = sys.argv[1:]
-    load_args = argv[argv.index("--") + 1:] if "--" in argv else []
-    own = argv[:argv.index("--")] if "--" in argv else argv
+    load_args = argv[argv.index("--") + 1 :] if "--" in argv else []
+    own = argv[: argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--variants", nargs="+", type=json.loads,
-                   default=[{"policy": "cache_aware"}, {"policy": "round_robin"}],
-                   help="JSON objects of ClusterArgs fields, one per variant (the first is the baseline of the ratios; "
-                        "a variant may be repeated: each repeat is a run of its own).")
-    p.add_argument("--datasets", nargs="+", default=["shared-prefix", "multi-turn"],
-                   choices=["random", "shared-prefix", "multi-turn"])
-    p.add_argument("--workload", nargs=2, action="append", metavar=("LABEL", "ARGS"), default=None,
-                   help="A named workload: bench_serving options in one string (repeatable; replaces --datasets).")
-    p.add_argument("--warmup-requests", type=int, default=2,
-                   help="Short requests sent to each variant before its workloads (not measured).")
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        type=json.loads,
+        default=[{"policy": "cache_aware"}, {"policy": "round_robin"}],
+        help="JSON objects of ClusterArgs fields, one per variant (the first is the baseline of the ratios; "
+        "a variant may be repeated: each repeat is a run of its own).",
+    )
+    p.add_argument(
+        "--datasets",
+        nargs="+",
+        default=["shared-prefix", "multi-turn"],
+        choices=["random", "shared-prefix", "multi-turn"],
+    )
+    p.add_argument(
+        "--workload",
+        nargs=2,
+        action="append",
+        metavar=("LABEL", "ARGS"),
+        default=None,
+        help="A named workload: bench_serving options in one string (repeatable; replaces --datasets).",
+    )
+    p.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=2,
+        help="Short requests sent to each variant before its workloads (not measured).",
+    )
     p.add_argument("--workers", type=int, default=2, help="Unified pool size (variants may override).")
     p.add_argument("--num-cpus", type=float, default=0.5, help="Ray CPUs per worker replica.")
     p.add_argument("--ray-cpus", type=int, default=os.cpu_count(), help="CPUs of the local Ray cluster.")
@@ -241,8 +284,11 @@ def main() -> None:
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--out", default=None)
     args = p.parse_args(own)
-    args.workloads = ([(label, shlex.split(opts)) for label, opts in args.workload] if args.workload
-                      else [(dataset, ["--dataset", dataset]) for dataset in args.datasets])
+    args.workloads = (
+        [(label, shlex.split(opts)) for label, opts in args.workload]
+        if args.workload
+        else [(dataset, ["--dataset", dataset]) for dataset in args.datasets]
+    )
 
     import ray
     from ray import serve
@@ -250,9 +296,19 @@ def main() -> None:
     os.environ.setdefault("RAY_SERVE_USE_GRPC_BY_DEFAULT", "1")  # as deploy/serve.sh and the image run it
     os.environ.setdefault("RAY_SERVE_ENABLE_HA_PROXY", "1")  # likewise
     radixserve_env = {k: v for k, v in os.environ.items() if k.startswith(("RADIXSERVE_", "RAY_SERVE_"))}
-    ray.init(num_cpus=args.ray_cpus, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-                                       "TRANSFORMERS_OFFLINE": "1", **radixserve_env}})
+    ray.init(
+        num_cpus=args.ray_cpus,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={
+            "env_vars": {
+                "TOKENIZERS_PARALLELISM": "false",
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                **radixserve_env,
+            }
+        },
+    )
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     args.base_url = f"http://127.0.0.1:{port}"
@@ -280,11 +336,25 @@ def main() -> None:
     for dataset, counts in same.items():
         print(f"{dataset}: outputs identical to {base}'s: " + ", ".join(f"{n} {c}" for n, c in counts.items()))
     os.makedirs(bs.RESULTS, exist_ok=True)
-    out = args.out or os.path.join(bs.RESULTS, "cluster_" + "-vs-".join(
-        n.replace("=", "").replace(",", "_") for n in names) + f"_kv{args.max_total_tokens}.json")
+    out = args.out or os.path.join(
+        bs.RESULTS,
+        "cluster_"
+        + "-vs-".join(n.replace("=", "").replace(",", "_") for n in names)
+        + f"_kv{args.max_total_tokens}.json",
+    )
     with open(out, "w") as f:
-        json.dump({"hardware": {**hardware(), "gpus": _gpu_count()}, "args": vars(args), "load_args": load_args, "runs": runs,
-                   "ratios": ratios, "same_outputs_as_first_variant": same}, f, indent=1)
+        json.dump(
+            {
+                "hardware": {**hardware(), "gpus": _gpu_count()},
+                "args": vars(args),
+                "load_args": load_args,
+                "runs": runs,
+                "ratios": ratios,
+                "same_outputs_as_first_variant": same,
+            },
+            f,
+            indent=1,
+        )
     print(f"wrote {out}")
 
 

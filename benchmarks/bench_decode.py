@@ -24,6 +24,7 @@ Weights are dummy (random, real shapes) from a config.json (--config); KV is ran
   python benchmarks/bench_decode.py --config benchmarks/configs/llama-3.1-8b.json \\
       --batch-sizes 1 8 32 128 256 --context-len 256
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,15 +71,25 @@ def model_bytes(cfg: Dict, dtype_bytes: int) -> Dict[str, int]:
     hkv = cfg.get("num_key_value_heads", hq)
     d = cfg.get("head_dim") or h // hq
     per_layer = h * hq * d + 2 * h * hkv * d + hq * d * h + 3 * h * cfg["intermediate_size"]
-    return {"weight_bytes": (L * per_layer + cfg["vocab_size"] * h) * dtype_bytes,
-            "kv_bytes_per_token": 2 * L * hkv * d * dtype_bytes}
+    return {
+        "weight_bytes": (L * per_layer + cfg["vocab_size"] * h) * dtype_bytes,
+        "kv_bytes_per_token": 2 * L * hkv * d * dtype_bytes,
+    }
 
 
 class DecodeBench:
     """A ModelRunner with `max_bs` requests of `context_len` cached tokens (random KV)."""
 
-    def __init__(self, model_dir: str, max_bs: int, context_len: int, backend: str, disable_cuda_graph: bool,
-                 dtype: str, **options):
+    def __init__(
+        self,
+        model_dir: str,
+        max_bs: int,
+        context_len: int,
+        backend: str,
+        disable_cuda_graph: bool,
+        dtype: str,
+        **options,
+    ):
         import torch
 
         from engine.config import EngineConfig
@@ -86,10 +97,18 @@ class DecodeBench:
         from engine.runner.model_runner import ModelRunner
 
         self.context_len = context_len
-        config = EngineConfig(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype=dtype,
-                              max_running_requests=max_bs, max_total_tokens=max_bs * (context_len + 1) + 64,
-                              attention_backend=backend, disable_cuda_graph=disable_cuda_graph,
-                              context_length=max(context_len + 64, 2048), **options)
+        config = EngineConfig(
+            model=model_dir,
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            dtype=dtype,
+            max_running_requests=max_bs,
+            max_total_tokens=max_bs * (context_len + 1) + 64,
+            attention_backend=backend,
+            disable_cuda_graph=disable_cuda_graph,
+            context_length=max(context_len + 64, 2048),
+            **options,
+        )
         self.runner = runner = ModelRunner(config, resolve_model(model_dir))
         self.device = runner.device
         self.rows, self.slots = [], []
@@ -127,8 +146,16 @@ class DecodeBench:
 
         class _Batch:
             def __init__(self):
-                self.forward_batch = ForwardBatch.build(ForwardMode.DECODE, input_ids, [ctx] * bs, out_loc,
-                                                        self_rows[:bs], [ctx + 1] * bs, [ctx] * bs, runner.device)
+                self.forward_batch = ForwardBatch.build(
+                    ForwardMode.DECODE,
+                    input_ids,
+                    [ctx] * bs,
+                    out_loc,
+                    self_rows[:bs],
+                    [ctx + 1] * bs,
+                    [ctx] * bs,
+                    runner.device,
+                )
                 self.sampled_reqs = reqs
                 self.reqs = reqs
 
@@ -146,9 +173,16 @@ class DecodeBench:
         from engine.forward_batch import ForwardBatch, ForwardMode
 
         ctx, runner = self.context_len, self.runner
-        fb = ForwardBatch.build(ForwardMode.DECODE, [1000] * bs, [ctx] * bs,
-                                torch.stack([s[ctx] for s in self.slots[:bs]]), self.rows[:bs], [ctx + 1] * bs,
-                                [ctx] * bs, runner.device)
+        fb = ForwardBatch.build(
+            ForwardMode.DECODE,
+            [1000] * bs,
+            [ctx] * bs,
+            torch.stack([s[ctx] for s in self.slots[:bs]]),
+            self.rows[:bs],
+            [ctx + 1] * bs,
+            [ctx] * bs,
+            runner.device,
+        )
         fb.attn_backend = runner.attn_backend
 
         def once():
@@ -180,9 +214,18 @@ def engine_tpot(model_dir: str, args, options: Dict) -> Dict:
 
     n_in, n_out = args.tpot_input_len, args.tpot_output_len
     rng = random.Random(0)
-    kwargs = dict(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype=args.dtype,
-                  attention_backend=args.attention_backend, disable_cuda_graph=args.disable_cuda_graph,
-                  max_running_requests=8, max_total_tokens=16384, context_length=2048, **options)
+    kwargs = dict(
+        model=model_dir,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
+        disable_cuda_graph=args.disable_cuda_graph,
+        max_running_requests=8,
+        max_total_tokens=16384,
+        context_length=2048,
+        **options,
+    )
     with Engine(**kwargs) as engine:
         vocab = engine.runner.vocab_size
 
@@ -198,8 +241,15 @@ def engine_tpot(model_dir: str, args, options: Dict) -> Dict:
         first = statistics.median(timed(1) for _ in range(args.tpot_trials))
         full = statistics.median(timed(n_out) for _ in range(args.tpot_trials))
         backend = engine.runner.attn_backend_name
-    return dict(input_len=n_in, output_len=n_out, trials=args.tpot_trials, first_token_s=first, total_s=full,
-                tpot_ms=(full - first) / (n_out - 1) * 1e3, attention_backend=backend)
+    return dict(
+        input_len=n_in,
+        output_len=n_out,
+        trials=args.tpot_trials,
+        first_token_s=first,
+        total_s=full,
+        tpot_ms=(full - first) / (n_out - 1) * 1e3,
+        attention_backend=backend,
+    )
 
 
 def profile(bench: DecodeBench, bs: int, steps: int = 20) -> None:
@@ -229,8 +279,10 @@ def profile(bench: DecodeBench, bs: int, steps: int = 20) -> None:
             torch.cuda.synchronize()
             times["init_forward_metadata_replay"].append((t1 - t0) * 1e6)
             times["graph_launch"].append((t2 - t1) * 1e6)
-        print("host time per decode step (median us): " +
-              ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in times.items()))
+        print(
+            "host time per decode step (median us): "
+            + ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in times.items())
+        )
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
     print(f"\nprofile of {steps} decode steps at batch size {bs} (by GPU time):\n{table}")
     table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60)
@@ -239,25 +291,38 @@ def profile(bench: DecodeBench, bs: int, steps: int = 20) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs",
-                                                     "llama-3.1-8b.json"))
+    p.add_argument(
+        "--config", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "llama-3.1-8b.json")
+    )
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 128, 256])
-    p.add_argument("--context-len", type=int, default=256,
-                   help="KV tokens per request (256: the mean context of vLLM's batch-1 run, 128 in + 256 out)")
+    p.add_argument(
+        "--context-len",
+        type=int,
+        default=256,
+        help="KV tokens per request (256: the mean context of vLLM's batch-1 run, 128 in + 256 out)",
+    )
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--disable-gemv", action="store_true", help="EngineConfig.disable_gemv: cuBLAS for one-row matmuls")
-    p.add_argument("--disable-pdl", action="store_true", help="EngineConfig.disable_pdl: no programmatic dependent launch")
-    p.add_argument("--engine-tpot", action="store_true",
-                   help="also measure an Engine's batch-1 time per output token (as the vLLM peer measures it)")
+    p.add_argument(
+        "--disable-pdl", action="store_true", help="EngineConfig.disable_pdl: no programmatic dependent launch"
+    )
+    p.add_argument(
+        "--engine-tpot",
+        action="store_true",
+        help="also measure an Engine's batch-1 time per output token (as the vLLM peer measures it)",
+    )
     p.add_argument("--tpot-input-len", type=int, default=128)
     p.add_argument("--tpot-output-len", type=int, default=256)
     p.add_argument("--tpot-trials", type=int, default=5)
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/decode_<model>_<gpu>.json)")
-    p.add_argument("--profile", action="store_true",
-                   help="also print the top GPU kernels and host time of one step at the smallest batch size")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print the top GPU kernels and host time of one step at the smallest batch size",
+    )
     args = p.parse_args()
 
     import torch
@@ -276,8 +341,15 @@ def main() -> None:
     sizes = model_bytes(cfg, dtype_bytes)
     options = dict(disable_gemv=args.disable_gemv, disable_pdl=args.disable_pdl)
     start = time.perf_counter()
-    bench = DecodeBench(folder, max(args.batch_sizes), args.context_len, args.attention_backend,
-                        args.disable_cuda_graph, args.dtype, **options)
+    bench = DecodeBench(
+        folder,
+        max(args.batch_sizes),
+        args.context_len,
+        args.attention_backend,
+        args.disable_cuda_graph,
+        args.dtype,
+        **options,
+    )
     startup = time.perf_counter() - start
     rows: List[Dict] = []
     with torch.inference_mode():
@@ -294,9 +366,18 @@ def main() -> None:
             gpu_ms = bench.gpu_time_ms(bs, args.steps)
             nbytes = sizes["weight_bytes"] + bs * args.context_len * sizes["kv_bytes_per_token"]
             roof_ms = nbytes / bandwidth * 1e3
-            rows.append(dict(batch_size=bs, step_ms=step_ms, gpu_ms=gpu_ms, bytes_per_step=nbytes,
-                             roofline_ms=roof_ms, fraction_of_roofline=roof_ms / step_ms,
-                             gpu_fraction_of_roofline=roof_ms / gpu_ms, tokens_per_s=bs / step_ms * 1e3))
+            rows.append(
+                dict(
+                    batch_size=bs,
+                    step_ms=step_ms,
+                    gpu_ms=gpu_ms,
+                    bytes_per_step=nbytes,
+                    roofline_ms=roof_ms,
+                    fraction_of_roofline=roof_ms / step_ms,
+                    gpu_fraction_of_roofline=roof_ms / gpu_ms,
+                    tokens_per_s=bs / step_ms * 1e3,
+                )
+            )
     if args.profile:
         with torch.inference_mode():
             profile(bench, min(args.batch_sizes))
@@ -315,27 +396,53 @@ def main() -> None:
         tpot["bytes_per_step"] = sizes["weight_bytes"] + avg_ctx * sizes["kv_bytes_per_token"]
         tpot["roofline_ms"] = tpot["bytes_per_step"] / bandwidth * 1e3
         tpot["fraction_of_roofline"] = tpot["roofline_ms"] / tpot["tpot_ms"]
-    print(f"\ndecode, {os.path.basename(args.config)} dummy {args.dtype}, context {args.context_len}; "
-          f"{hw.get('gpu')}; attention {backend_name}, CUDA graphs {'on' if graphs_on else 'off'}, GEMV "
-          f"{'off' if args.disable_gemv else 'on'}, PDL {'off' if args.disable_pdl else 'on'}; copy bandwidth "
-          f"{bandwidth / 1e9:.0f} GB/s")
-    cols = ["batch_size", "step_ms", "gpu_ms", "roofline_ms", "fraction_of_roofline", "gpu_fraction_of_roofline",
-            "tokens_per_s"]
+    print(
+        f"\ndecode, {os.path.basename(args.config)} dummy {args.dtype}, context {args.context_len}; "
+        f"{hw.get('gpu')}; attention {backend_name}, CUDA graphs {'on' if graphs_on else 'off'}, GEMV "
+        f"{'off' if args.disable_gemv else 'on'}, PDL {'off' if args.disable_pdl else 'on'}; copy bandwidth "
+        f"{bandwidth / 1e9:.0f} GB/s"
+    )
+    cols = [
+        "batch_size",
+        "step_ms",
+        "gpu_ms",
+        "roofline_ms",
+        "fraction_of_roofline",
+        "gpu_fraction_of_roofline",
+        "tokens_per_s",
+    ]
     print("".join(f"{c:>26}" for c in cols))
     for r in rows:
         print("".join(f"{r[c]:>26.3f}" if isinstance(r[c], float) else f"{r[c]:>26}" for c in cols))
     if tpot is not None:
-        print(f"engine, batch 1, {tpot['input_len']} in + {tpot['output_len']} out: time per output token "
-              f"{tpot['tpot_ms']:.3f} ms = {tpot['fraction_of_roofline']:.1%} of the roofline "
-              f"({tpot['roofline_ms']:.3f} ms); first token {tpot['first_token_s'] * 1e3:.1f} ms")
+        print(
+            f"engine, batch 1, {tpot['input_len']} in + {tpot['output_len']} out: time per output token "
+            f"{tpot['tpot_ms']:.3f} ms = {tpot['fraction_of_roofline']:.1%} of the roofline "
+            f"({tpot['roofline_ms']:.3f} ms); first token {tpot['first_token_s'] * 1e3:.1f} ms"
+        )
     model = os.path.splitext(os.path.basename(args.config))[0]
     out = result_path(args.out, f"decode_{model}", hw)
     with open(out, "w") as f:
-        json.dump(dict(benchmark="bench_decode", args=vars(args), hardware=hw, model=model, **sizes,
-                       copy_gb_per_s=bandwidth / 1e9, attention_backend=backend_name, cuda_graphs=graphs_on,
-                       gemv=not args.disable_gemv, pdl=not args.disable_pdl, startup_s=startup, results=rows,
-                       engine_tpot=tpot,
-                       time=time.strftime("%Y-%m-%dT%H:%M:%S%z")), f, indent=2)
+        json.dump(
+            dict(
+                benchmark="bench_decode",
+                args=vars(args),
+                hardware=hw,
+                model=model,
+                **sizes,
+                copy_gb_per_s=bandwidth / 1e9,
+                attention_backend=backend_name,
+                cuda_graphs=graphs_on,
+                gemv=not args.disable_gemv,
+                pdl=not args.disable_pdl,
+                startup_s=startup,
+                results=rows,
+                engine_tpot=tpot,
+                time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            ),
+            f,
+            indent=2,
+        )
     print(f"wrote {out}")
 
 

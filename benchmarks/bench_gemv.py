@@ -15,6 +15,7 @@ denominator of bench_decode's roofline. --sweep also times every tile of a grid 
 
   python benchmarks/bench_gemv.py --config benchmarks/configs/llama-3.1-8b.json [--sweep]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,13 @@ def decode_shapes(cfg: Dict) -> Dict[str, tuple]:
     hkv = cfg.get("num_key_value_heads", hq)
     d = cfg.get("head_dim") or h // hq
     inter = cfg["intermediate_size"]
-    return {"qkv": ((hq + 2 * hkv) * d, h), "o": (h, hq * d), "gate_up": (2 * inter, h), "down": (h, inter),
-            "lm_head": (cfg["vocab_size"], h)}
+    return {
+        "qkv": ((hq + 2 * hkv) * d, h),
+        "o": (h, hq * d),
+        "gate_up": (2 * inter, h),
+        "down": (h, inter),
+        "lm_head": (cfg["vocab_size"], h),
+    }
 
 
 def time_graph(fn: Callable[[int], None], calls: int, repeats: int) -> float:
@@ -65,8 +71,9 @@ def time_graph(fn: Callable[[int], None], calls: int, repeats: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs",
-                                                     "llama-3.1-8b.json"))
+    p.add_argument(
+        "--config", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "llama-3.1-8b.json")
+    )
     p.add_argument("--calls", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--sweep", action="store_true", help="also time a grid of tile shapes per weight")
@@ -93,7 +100,7 @@ def main() -> None:
     for name, (n, k) in decode_shapes(cfg).items():
         nbytes = n * k * 2
         copies = max(2, -(-(256 << 20) // nbytes))
-        ws = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
+        ws = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)]
         x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
 
         def run(fn, pdl_on=True):
@@ -104,9 +111,11 @@ def main() -> None:
                 pdl.set_enabled(True)
 
         row = dict(name=name, n=n, k=k, weight_mib=nbytes / 2**20, config=pick_config(n, k, torch.bfloat16)._asdict())
-        for label, fn, pdl_on in (("cublas", lambda w: F.linear(x, w), True),
-                                  ("gemv", lambda w: gemv(x, w), False),
-                                  ("gemv+pdl", lambda w: gemv(x, w), True)):
+        for label, fn, pdl_on in (
+            ("cublas", lambda w: F.linear(x, w), True),
+            ("gemv", lambda w: gemv(x, w), False),
+            ("gemv+pdl", lambda w: gemv(x, w), True),
+        ):
             sec = run(fn, pdl_on)
             row[f"{label}_us"] = sec * 1e6
             row[f"{label}_of_copy_bw"] = nbytes / sec / bandwidth
@@ -120,31 +129,53 @@ def main() -> None:
                     continue
                 c = GemvConfig(bn, bk, warps)
                 sec = run(lambda w, c=c: gemv(x, w, config=c), True)
-                grid.append(dict(block_n=bn, block_k=bk, num_warps=warps, us=sec * 1e6,
-                                 of_copy_bw=nbytes / sec / bandwidth))
+                grid.append(
+                    dict(block_n=bn, block_k=bk, num_warps=warps, us=sec * 1e6, of_copy_bw=nbytes / sec / bandwidth)
+                )
             grid.sort(key=lambda r: r["us"])
             sweeps[name] = grid
-            print(f"{name} ({n}x{k}) best tiles: " + "; ".join(
-                f"{g['block_n']}x{g['block_k']} w{g['num_warps']} {g['us']:.1f}us {g['of_copy_bw']:.0%}"
-                for g in grid[:5]))
-        del ws
+            print(
+                f"{name} ({n}x{k}) best tiles: "
+                + "; ".join(
+                    f"{g['block_n']}x{g['block_k']} w{g['num_warps']} {g['us']:.1f}us {g['of_copy_bw']:.0%}"
+                    for g in grid[:5]
+                )
+            )
+        ws.clear()  # free this shape's copies before the next shape
         torch.cuda.empty_cache()
 
     hw = hardware()
-    print(f"\none-row matmuls, bf16, {os.path.basename(args.config)}; {hw.get('gpu')}; copy bandwidth "
-          f"{bandwidth / 1e9:.0f} GB/s; {args.calls} products per CUDA graph, best of {args.repeats}")
-    print(f"{'weight':>10}{'N x K':>16}{'MiB':>8}{'cublas us':>11}{'gemv us':>10}{'+pdl us':>10}"
-          f"{'cublas':>9}{'gemv':>8}{'+pdl':>8}")
+    print(
+        f"\none-row matmuls, bf16, {os.path.basename(args.config)}; {hw.get('gpu')}; copy bandwidth "
+        f"{bandwidth / 1e9:.0f} GB/s; {args.calls} products per CUDA graph, best of {args.repeats}"
+    )
+    print(
+        f"{'weight':>10}{'N x K':>16}{'MiB':>8}{'cublas us':>11}{'gemv us':>10}{'+pdl us':>10}"
+        f"{'cublas':>9}{'gemv':>8}{'+pdl':>8}"
+    )
     for r in rows:
-        print(f"{r['name']:>10}{str(r['n']) + ' x ' + str(r['k']):>16}{r['weight_mib']:>8.1f}{r['cublas_us']:>11.1f}"
-              f"{r['gemv_us']:>10.1f}{r['gemv+pdl_us']:>10.1f}{r['cublas_of_copy_bw']:>9.0%}"
-              f"{r['gemv_of_copy_bw']:>8.0%}{r['gemv+pdl_of_copy_bw']:>8.0%}")
+        print(
+            f"{r['name']:>10}{str(r['n']) + ' x ' + str(r['k']):>16}{r['weight_mib']:>8.1f}{r['cublas_us']:>11.1f}"
+            f"{r['gemv_us']:>10.1f}{r['gemv+pdl_us']:>10.1f}{r['cublas_of_copy_bw']:>9.0%}"
+            f"{r['gemv_of_copy_bw']:>8.0%}{r['gemv+pdl_of_copy_bw']:>8.0%}"
+        )
     model = os.path.splitext(os.path.basename(args.config))[0]
     out = result_path(args.out, f"gemv_{model}", hw)
     with open(out, "w") as f:
-        json.dump(dict(benchmark="bench_gemv", args=vars(args), hardware=hw, model=model,
-                       copy_gb_per_s=bandwidth / 1e9, results=rows, sweeps=sweeps,
-                       time=time.strftime("%Y-%m-%dT%H:%M:%S%z")), f, indent=2)
+        json.dump(
+            dict(
+                benchmark="bench_gemv",
+                args=vars(args),
+                hardware=hw,
+                model=model,
+                copy_gb_per_s=bandwidth / 1e9,
+                results=rows,
+                sweeps=sweeps,
+                time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            ),
+            f,
+            indent=2,
+        )
     print(f"wrote {out}")
 
 

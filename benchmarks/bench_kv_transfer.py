@@ -24,6 +24,7 @@ The roofline, measured in the same run by the driver: a GPU0 → GPU1 torch copy
 
 Writes benchmarks/results/kv_transfer_<hardware>.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_offline import result_path  # noqa: E402
+
 MiB = 1 << 20
 
 
@@ -54,8 +56,14 @@ class Side:
         if device == "cuda":
             torch.cuda.set_device(0)
         dtype = getattr(torch, args["dtype"])
-        self.pool = KVPool(num_pages * args["page_size"], args["num_layers"], args["num_kv_heads"],
-                           args["head_dim"], dtype, torch.device(device))
+        self.pool = KVPool(
+            num_pages * args["page_size"],
+            args["num_layers"],
+            args["num_kv_heads"],
+            args["head_dim"],
+            dtype,
+            torch.device(device),
+        )
         self.buffers = kv_pool_buffers(self.pool)
         gen = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()))
         for buf in self.buffers:
@@ -89,8 +97,9 @@ class Side:
             for h in handles:
                 self.backend.release(h)
 
-    def write_timed(self, peer: str, src: List[int], dst: List[int], tids: List[str], timeout_s: float,
-                    src_ready: bool) -> List[float]:
+    def write_timed(
+        self, peer: str, src: List[int], dst: List[int], tids: List[str], timeout_s: float, src_ready: bool
+    ) -> List[float]:
         """Seconds from write() to DONE for each transfer id, one after the other. The page ids become
         int64 arrays first, as a replica holds them (engine.scheduler.handoff)."""
         import numpy as np
@@ -114,11 +123,13 @@ class Side:
 
         async def wait_all():
             await asyncio.gather(*(self.backend.wait(h, timeout_s) for h in handles))
+
         asyncio.run(wait_all())
         return len(tids)
 
-    def raw_nixl_timed(self, peer: str, remote_addr: int, remote_device: str, num_pages: int,
-                       count: int) -> List[float]:
+    def raw_nixl_timed(
+        self, peer: str, remote_addr: int, remote_device: str, num_pages: int, count: int
+    ) -> List[float]:
         """NIXL's own call sequence with nothing of radixserve's around it, the ceiling of the nixl rows:
         pages [1, 1 + num_pages) of this pool into the same pages of the peer's, as ONE region, the
         transfer handle initialized once and re-posted, no notification. Seconds from transfer() to DONE."""
@@ -133,8 +144,9 @@ class Side:
             row = [[addr + page_bytes, num_pages * page_bytes, torch.device(device).index or 0]]
             return agent.get_xfer_descs(np.array(row, dtype=np.int64), mem)
 
-        xfer = agent.initialize_xfer("WRITE", region(buf.data_ptr(), str(buf.device)),
-                                     region(remote_addr, remote_device), peer, b"")
+        xfer = agent.initialize_xfer(
+            "WRITE", region(buf.data_ptr(), str(buf.device)), region(remote_addr, remote_device), peer, b""
+        )
         times = []
         try:
             for _ in range(count):
@@ -194,8 +206,12 @@ def page_lists(num_pages: int, run_pages: int, writer_pages: int, seed: int):
 
 def stats(times: List[float], nbytes: int) -> Dict[str, float]:
     best, median = min(times), statistics.median(times)
-    return {"best_ms": best * 1e3, "median_ms": median * 1e3,
-            "best_gib_s": nbytes / best / 2**30, "median_gib_s": nbytes / median / 2**30}
+    return {
+        "best_ms": best * 1e3,
+        "median_ms": median * 1e3,
+        "best_gib_s": nbytes / best / 2**30,
+        "median_gib_s": nbytes / median / 2**30,
+    }
 
 
 def bench_backend(name: str, args, cuda: bool, sizes: List[int], run_lengths: List[int], page_mib: float) -> Dict:
@@ -208,8 +224,13 @@ def bench_backend(name: str, args, cuda: bool, sizes: List[int], run_lengths: Li
     writer_pages = 2 * max_pages + max(run_lengths) + 1
     opts = dict(num_cpus=0, num_gpus=1 if cuda else 0)
     actor = ray.remote(Side)
-    shape = dict(dtype=args.dtype, page_size=args.page_size, num_layers=args.num_layers,
-                 num_kv_heads=args.num_kv_heads, head_dim=args.head_dim)
+    shape = dict(
+        dtype=args.dtype,
+        page_size=args.page_size,
+        num_layers=args.num_layers,
+        num_kv_heads=args.num_kv_heads,
+        head_dim=args.head_dim,
+    )
     device = "cuda" if cuda else "cpu"
     writer = actor.options(**opts).remote(name, f"bench-prefill-{name}", writer_pages, shape, device)
     reader = actor.options(**opts).remote(name, f"bench-decode-{name}", max_pages + 1, shape, device)
@@ -223,8 +244,9 @@ def bench_backend(name: str, args, cuda: bool, sizes: List[int], run_lengths: Li
             count = (1 if first_ms is None else 0) + args.warmup + args.repeats
             tids = [f"{size}-{run_pages}-{i}" for i in range(count)]
             received = reader.receive.remote(f"bench-prefill-{name}", dst, tids, args.timeout)
-            times = ray.get(writer.write_timed.remote(f"bench-decode-{name}", src, dst, tids, args.timeout,
-                                                      not args.stream_event))
+            times = ray.get(
+                writer.write_timed.remote(f"bench-decode-{name}", src, dst, tids, args.timeout, not args.stream_event)
+            )
             ray.get(received)
             if first_ms is None:
                 first_ms, times = times[0] * 1e3, times[1:]
@@ -232,16 +254,27 @@ def bench_backend(name: str, args, cuda: bool, sizes: List[int], run_lengths: Li
             if w_sums != r_sums:
                 raise SystemExit(f"{name} {size} MiB: data on the receiver differs from the writer's")
             regions = len(page_runs(np.array(src), np.array(dst)))  # one buffer: one region per run
-            rows.append(dict(size_mib=size, run_pages=run_pages, pages=n, regions=regions,
-                             **stats(times[args.warmup:], size * MiB)))
+            rows.append(
+                dict(
+                    size_mib=size,
+                    run_pages=run_pages,
+                    pages=n,
+                    regions=regions,
+                    **stats(times[args.warmup :], size * MiB),
+                )
+            )
         raw = []
         if name == "nixl":
             for size in sizes:
                 n = size * MiB // int(page_mib * MiB)
-                times = ray.get(writer.raw_nixl_timed.remote(r_info.name, r_info.buffer_addrs[0], r_info.layout.device,
-                                                             n, args.warmup + args.repeats))
-                raw.append(dict(size_mib=size, run_pages="-", pages=n, regions=1,
-                                **stats(times[args.warmup:], size * MiB)))
+                times = ray.get(
+                    writer.raw_nixl_timed.remote(
+                        r_info.name, r_info.buffer_addrs[0], r_info.layout.device, n, args.warmup + args.repeats
+                    )
+                )
+                raw.append(
+                    dict(size_mib=size, run_pages="-", pages=n, regions=1, **stats(times[args.warmup :], size * MiB))
+                )
     finally:
         ray.get([writer.close.remote(), reader.close.remote()])
         ray.kill(writer), ray.kill(reader)
@@ -275,13 +308,19 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--page-size", type=int, default=1, help="tokens per page (the engine's default: 1)")
-    p.add_argument("--run-pages", default="8,64,4096",
-                   help="comma-separated: src pages lie in runs of this many pages (one case each)")
+    p.add_argument(
+        "--run-pages",
+        default="8,64,4096",
+        help="comma-separated: src pages lie in runs of this many pages (one case each)",
+    )
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before a transfer counts as failed")
-    p.add_argument("--stream-event", action="store_true",
-                   help="write(src_ready=False): each write waits for a CUDA event on the current stream (a caller "
-                        "that cannot vouch that its src pages are computed); default: src_ready=True, as a "
-                        "prefill replica writes (its first token is on the host)")
+    p.add_argument(
+        "--stream-event",
+        action="store_true",
+        help="write(src_ready=False): each write waits for a CUDA event on the current stream (a caller "
+        "that cannot vouch that its src pages are computed); default: src_ready=True, as a "
+        "prefill replica writes (its first token is on the host)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu", action="store_true", help="host memory even where CUDA is available")
     p.add_argument("--out", default=None)
@@ -308,33 +347,51 @@ def main() -> None:
     ray.shutdown()
 
     label = "GPU0->GPU1 torch copy" if cuda else "host torch copy"
-    print(f"\n{hw.get('gpu', hw['cpu'])}; token-major KV pool, page {page_mib * 1024:g} KiB "
-          f"({args.page_size} token(s) × {args.num_layers} layers × K,V); best / median of {args.repeats}")
-    print(f"{'backend':<24}{'MiB':>6}{'run':>6}{'regions':>9}{'best ms':>10}{'med ms':>10}{'best GiB/s':>12}"
-          f"{'med GiB/s':>11}{'% roofline':>12}")
+    print(
+        f"\n{hw.get('gpu', hw['cpu'])}; token-major KV pool, page {page_mib * 1024:g} KiB "
+        f"({args.page_size} token(s) × {args.num_layers} layers × K,V); best / median of {args.repeats}"
+    )
+    print(
+        f"{'backend':<24}{'MiB':>6}{'run':>6}{'regions':>9}{'best ms':>10}{'med ms':>10}{'best GiB/s':>12}"
+        f"{'med GiB/s':>11}{'% roofline':>12}"
+    )
     for size in sizes:
         c = copy[size]
-        print(f"{label:<24}{size:>6}{'':>6}{'1':>9}{c['best_ms']:>10.3f}{c['median_ms']:>10.3f}"
-              f"{c['best_gib_s']:>12.2f}{c['median_gib_s']:>11.2f}{100.0:>11.0f}%")
+        print(
+            f"{label:<24}{size:>6}{'':>6}{'1':>9}{c['best_ms']:>10.3f}{c['median_ms']:>10.3f}"
+            f"{c['best_gib_s']:>12.2f}{c['median_gib_s']:>11.2f}{100.0:>11.0f}%"
+        )
         for name, res in results.items():
             rows = [(name, r) for r in res["sizes"] if r["size_mib"] == size]
             rows += [("nixl alone (ceiling)", r) for r in res["raw_nixl"] if r["size_mib"] == size]
             for label_r, r in rows:
                 r["pct_of_roofline_best"] = 100 * r["best_gib_s"] / c["best_gib_s"]
                 r["pct_of_roofline_median"] = 100 * r["median_gib_s"] / c["median_gib_s"]
-                print(f"{label_r:<24}{size:>6}{r['run_pages']:>6}{r['regions']:>9}{r['best_ms']:>10.3f}"
-                      f"{r['median_ms']:>10.3f}{r['best_gib_s']:>12.2f}{r['median_gib_s']:>11.2f}"
-                      f"{r['pct_of_roofline_best']:>11.0f}%")
+                print(
+                    f"{label_r:<24}{size:>6}{r['run_pages']:>6}{r['regions']:>9}{r['best_ms']:>10.3f}"
+                    f"{r['median_ms']:>10.3f}{r['best_gib_s']:>12.2f}{r['median_gib_s']:>11.2f}"
+                    f"{r['pct_of_roofline_best']:>11.0f}%"
+                )
     for name, res in results.items():
         print(f"{name}: first transfer {res['first_transfer_ms']:.1f} ms (connection / communicator set-up)")
 
     out = result_path(args.out, "kv_transfer", hw)
     with open(out, "w") as f:
-        json.dump(dict(benchmark="bench_kv_transfer", args=vars(args), hardware=hw, page_mib=page_mib,
-                       roofline={"what": label, "sizes": copy}, backends=results,
-                       ucx_env={k: v for k, v in os.environ.items() if k.startswith("UCX_")} or
-                       ("UCX defaults" if cuda else "UCX_TLS=cma,tcp,self (NixlBackend's default for host memory)"),
-                       time=time.strftime("%Y-%m-%dT%H:%M:%S%z")), f, indent=2)
+        json.dump(
+            dict(
+                benchmark="bench_kv_transfer",
+                args=vars(args),
+                hardware=hw,
+                page_mib=page_mib,
+                roofline={"what": label, "sizes": copy},
+                backends=results,
+                ucx_env={k: v for k, v in os.environ.items() if k.startswith("UCX_")}
+                or ("UCX defaults" if cuda else "UCX_TLS=cma,tcp,self (NixlBackend's default for host memory)"),
+                time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            ),
+            f,
+            indent=2,
+        )
     print(f"wrote {out}")
 
 

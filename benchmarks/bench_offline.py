@@ -14,6 +14,7 @@ benchmarks/results/ naming the hardware.
   python benchmarks/bench_offline.py --config benchmarks/configs/llama-3.1-8b.json --workload random \
       --num-prompts 1000 --input-len 1024 --output-len 256          # dummy weights, no tokenizer (GPU)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,8 +71,9 @@ def make_workload(args, vocab_size: int) -> List[List[int]]:
     return prompts
 
 
-def run_once(engine_kwargs: Dict, prompts: List[List[int]], output_len: int, warmup: bool = True,
-             temperature: float = 0.0) -> Dict:
+def run_once(
+    engine_kwargs: Dict, prompts: List[List[int]], output_len: int, warmup: bool = True, temperature: float = 0.0
+) -> Dict:
     from engine import Engine
 
     with Engine(**engine_kwargs) as engine:
@@ -90,18 +92,30 @@ def run_once(engine_kwargs: Dict, prompts: List[List[int]], output_len: int, war
     n_in = sum(len(p) for p in prompts)
     n_out = sum(o.completion_tokens for o in outs)
     cached = sum(o.cached_tokens for o in outs)
-    return dict(elapsed_s=elapsed, requests_per_s=len(prompts) / elapsed, input_tok_per_s=n_in / elapsed,
-                output_tok_per_s=n_out / elapsed, total_tok_per_s=(n_in + n_out) / elapsed,
-                cache_hit_rate=cached / n_in, input_tokens=n_in, output_tokens=n_out,
-                retractions=stats["retractions"], kv_total_tokens=stats["kv_total_tokens"],
-                attention_backend=backend, cuda_graphs=graphs)
+    return dict(
+        elapsed_s=elapsed,
+        requests_per_s=len(prompts) / elapsed,
+        input_tok_per_s=n_in / elapsed,
+        output_tok_per_s=n_out / elapsed,
+        total_tok_per_s=(n_in + n_out) / elapsed,
+        cache_hit_rate=cached / n_in,
+        input_tokens=n_in,
+        output_tokens=n_out,
+        retractions=stats["retractions"],
+        kv_total_tokens=stats["kv_total_tokens"],
+        attention_backend=backend,
+        cuda_graphs=graphs,
+    )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model path (default: the default model)")
-    p.add_argument("--config", default=None,
-                   help="a config.json of a real architecture: dummy weights, no tokenizer (overrides --model)")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="a config.json of a real architecture: dummy weights, no tokenizer (overrides --model)",
+    )
     p.add_argument("--workload", choices=["random", "shared-prefix"], default="shared-prefix")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=256)
@@ -118,8 +132,9 @@ def main() -> None:
     p.add_argument("--chunked-prefill-size", type=int, default=2048)
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="0 = greedy; the vLLM peer (peer_vllm_bench.py) samples at 1.0")
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy; the vLLM peer (peer_vllm_bench.py) samples at 1.0"
+    )
     p.add_argument("--max-prefill-tokens", type=int, default=16384)
     p.add_argument("--mem-fraction-static", type=float, default=0.85)
     p.add_argument("--attention-backend", default="auto")
@@ -134,12 +149,21 @@ def main() -> None:
         shutil.copy(args.config, os.path.join(folder, "config.json"))
         args.model, args.load_format, extra = folder, "dummy", dict(skip_tokenizer_init=True)
 
-    engine_kwargs = dict(model=args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
-                         max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running_requests,
-                         chunked_prefill_size=args.chunked_prefill_size, page_size=args.page_size,
-                         max_prefill_tokens=args.max_prefill_tokens, mem_fraction_static=args.mem_fraction_static,
-                         attention_backend=args.attention_backend, disable_cuda_graph=args.disable_cuda_graph,
-                         **extra)
+    engine_kwargs = dict(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        load_format=args.load_format,
+        max_total_tokens=args.max_total_tokens,
+        max_running_requests=args.max_running_requests,
+        chunked_prefill_size=args.chunked_prefill_size,
+        page_size=args.page_size,
+        max_prefill_tokens=args.max_prefill_tokens,
+        mem_fraction_static=args.mem_fraction_static,
+        attention_backend=args.attention_backend,
+        disable_cuda_graph=args.disable_cuda_graph,
+        **extra,
+    )
     from engine.models.loader import load_config
     from engine.models.source import resolve_model
 
@@ -149,13 +173,14 @@ def main() -> None:
     if not args.baseline_only:
         runs["radix_cache"] = run_once(engine_kwargs, prompts, args.output_len, temperature=args.temperature)
     if not args.no_baseline:
-        runs["no_cache (baseline)"] = run_once(dict(engine_kwargs, disable_radix_cache=True), prompts,
-                                               args.output_len, temperature=args.temperature)
+        runs["no_cache (baseline)"] = run_once(
+            dict(engine_kwargs, disable_radix_cache=True), prompts, args.output_len, temperature=args.temperature
+        )
     hw = hardware()
-    print(f"\n{args.workload}: {len(prompts)} prompts, {args.output_len} output tokens each; "
-          f"{hw.get('gpu', hw['cpu'])}")
-    cols = ["requests_per_s", "input_tok_per_s", "output_tok_per_s", "total_tok_per_s", "cache_hit_rate",
-            "elapsed_s"]
+    print(
+        f"\n{args.workload}: {len(prompts)} prompts, {args.output_len} output tokens each; {hw.get('gpu', hw['cpu'])}"
+    )
+    cols = ["requests_per_s", "input_tok_per_s", "output_tok_per_s", "total_tok_per_s", "cache_hit_rate", "elapsed_s"]
     print(f"{'run':<22}" + "".join(f"{c:>18}" for c in cols))
     for name, r in runs.items():
         print(f"{name:<22}" + "".join(f"{r[c]:>18.3f}" for c in cols))
@@ -166,8 +191,18 @@ def main() -> None:
 
     out = result_path(args.out, f"offline_{args.workload}", hw)
     with open(out, "w") as f:
-        json.dump(dict(benchmark="bench_offline", args=vars(args), hardware=hw, runs=runs,
-                       radix_speedup=speedup, time=time.strftime("%Y-%m-%dT%H:%M:%S%z")), f, indent=2)
+        json.dump(
+            dict(
+                benchmark="bench_offline",
+                args=vars(args),
+                hardware=hw,
+                runs=runs,
+                radix_speedup=speedup,
+                time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            ),
+            f,
+            indent=2,
+        )
     print(f"wrote {out}")
 
 

@@ -67,12 +67,12 @@ Writes benchmarks/results/online_<GPU or cpu>.json (--out) and the PNG beside it
 the servers of an existing JSON that this run does not measure (a second command on the same
 machine) and recomputes the ratios.
 """
+
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
-import math
 import os
 import platform
 import re
@@ -97,16 +97,51 @@ SERVED_NAME = "m"
 COMMON = ["--ignore-eos", "--temperature", "0"]
 RANDOM_1024 = ["--dataset", "random", "--input-len", "1024", "--range-ratio", "0", "--output-len", "256"]
 WORKLOADS: Dict[str, List[str]] = {
-    "random-1": ["--dataset", "random", "--input-len", "128", "--range-ratio", "0", "--output-len", "256",
-                 "--max-concurrency", "1", "--num-prompts", "8"],
+    "random-1": [
+        "--dataset",
+        "random",
+        "--input-len",
+        "128",
+        "--range-ratio",
+        "0",
+        "--output-len",
+        "256",
+        "--max-concurrency",
+        "1",
+        "--num-prompts",
+        "8",
+    ],
     "random-8": RANDOM_1024 + ["--max-concurrency", "8", "--num-prompts", "64"],
     "random-64": RANDOM_1024 + ["--max-concurrency", "64", "--num-prompts", "256"],
     "random-256": RANDOM_1024 + ["--max-concurrency", "256", "--num-prompts", "512"],
-    "shared-prefix": ["--dataset", "shared-prefix", "--num-groups", "16", "--prompts-per-group", "16",
-                      "--system-prompt-len", "2048", "--question-len", "64", "--output-len", "128",
-                      "--max-concurrency", "64"],
-    "multi-turn": ["--dataset", "multi-turn", "--num-conversations", "32", "--num-turns", "6",
-                   "--question-len", "64", "--output-len", "128"],
+    "shared-prefix": [
+        "--dataset",
+        "shared-prefix",
+        "--num-groups",
+        "16",
+        "--prompts-per-group",
+        "16",
+        "--system-prompt-len",
+        "2048",
+        "--question-len",
+        "64",
+        "--output-len",
+        "128",
+        "--max-concurrency",
+        "64",
+    ],
+    "multi-turn": [
+        "--dataset",
+        "multi-turn",
+        "--num-conversations",
+        "32",
+        "--num-turns",
+        "6",
+        "--question-len",
+        "64",
+        "--output-len",
+        "128",
+    ],
 }
 WARMUP_SEED = 1000
 
@@ -164,6 +199,7 @@ def pairs(items: List[str], what: str) -> List[tuple]:
 
 # --- the report: ratios, table, plot -------------------------------------------------------------
 
+
 def ratios(runs: Dict[str, Dict[str, Any]], reference: str = "vllm") -> Dict[str, Dict[str, Dict[str, float]]]:
     """server → workload → {key: ours / reference} for every server but the reference, where both
     measured the workload with no failed request. Throughput and latency ratios alike are ours over
@@ -186,13 +222,23 @@ def ratios(runs: Dict[str, Dict[str, Any]], reference: str = "vllm") -> Dict[str
     return out
 
 
-COLUMNS = (("request_throughput", "req/s", "{:.2f}"), ("output_throughput_tok_s", "out tok/s", "{:.0f}"),
-           ("ttft_ms.p50", "TTFT p50", "{:.1f}"), ("ttft_ms.p90", "TTFT p90", "{:.1f}"),
-           ("itl_ms.p50", "ITL p50", "{:.2f}"), ("itl_ms.p90", "ITL p90", "{:.2f}"),
-           ("e2e_ms.p50", "E2E p50", "{:.0f}"), ("tpot_ms.mean", "TPOT", "{:.2f}"),
-           ("events_per_output_token", "ev/tok", "{:.2f}"))
-RATIO_COLUMNS = (("request_throughput", "x req/s"), ("ttft_ms.p50", "x TTFT50"), ("itl_ms.p50", "x ITL50"),
-                 ("tpot_ms.mean", "x TPOT"))
+COLUMNS = (
+    ("request_throughput", "req/s", "{:.2f}"),
+    ("output_throughput_tok_s", "out tok/s", "{:.0f}"),
+    ("ttft_ms.p50", "TTFT p50", "{:.1f}"),
+    ("ttft_ms.p90", "TTFT p90", "{:.1f}"),
+    ("itl_ms.p50", "ITL p50", "{:.2f}"),
+    ("itl_ms.p90", "ITL p90", "{:.2f}"),
+    ("e2e_ms.p50", "E2E p50", "{:.0f}"),
+    ("tpot_ms.mean", "TPOT", "{:.2f}"),
+    ("events_per_output_token", "ev/tok", "{:.2f}"),
+)
+RATIO_COLUMNS = (
+    ("request_throughput", "x req/s"),
+    ("ttft_ms.p50", "x TTFT50"),
+    ("itl_ms.p50", "x ITL50"),
+    ("tpot_ms.mean", "x TPOT"),
+)
 
 
 def ordered(runs: Dict[str, Any]) -> Dict[str, Any]:
@@ -204,8 +250,12 @@ def table(record: Dict[str, Any]) -> str:
     """One row per server and workload (latencies in ms), with ratios to vLLM where it ran."""
     runs, rat = ordered(record.get("runs", {})), record.get("ratios_to_vllm", {})
     workloads = [w for w in WORKLOADS if any(w in r.get("workloads", {}) for r in runs.values())]
-    head = f"{'workload':<14}{'server':<16}" + "".join(f"{c[1]:>10}" for c in COLUMNS) + f"{'fail':>6}" + \
-        "".join(f"{c[1]:>10}" for c in RATIO_COLUMNS)
+    head = (
+        f"{'workload':<14}{'server':<16}"
+        + "".join(f"{c[1]:>10}" for c in COLUMNS)
+        + f"{'fail':>6}"
+        + "".join(f"{c[1]:>10}" for c in RATIO_COLUMNS)
+    )
     lines = [head, "-" * len(head)]
     for w in workloads:
         for server, run in runs.items():
@@ -236,8 +286,12 @@ def plot(record: Dict[str, Any], path: str) -> Optional[str]:
     workloads = [w for w in WORKLOADS if any(w in runs[s]["workloads"] for s in servers)]
     if not servers or not workloads:
         return None
-    panels = (("request_throughput", "requests/s"), ("ttft_ms.p50", "TTFT p50 (ms)"),
-              ("itl_ms.p50", "ITL p50 (ms)"), ("tpot_ms.mean", "TPOT mean (ms)"))
+    panels = (
+        ("request_throughput", "requests/s"),
+        ("ttft_ms.p50", "TTFT p50 (ms)"),
+        ("itl_ms.p50", "ITL p50 (ms)"),
+        ("tpot_ms.mean", "TPOT mean (ms)"),
+    )
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2))
     width = 0.8 / len(servers)
     for ax, (key, label) in zip(axes, panels):
@@ -264,6 +318,7 @@ def plot(record: Dict[str, Any], path: str) -> Optional[str]:
 
 
 # --- processes -----------------------------------------------------------------------------------
+
 
 def _descendants(pid: int) -> List[int]:
     """Every live descendant of `pid` (from /proc), children first."""
@@ -363,8 +418,9 @@ class Server:
             raise RuntimeError(f"port {self.port} is already in use")
         log = open(os.path.join(self.log_dir, f"server_{self.name}.log"), "w")
         t0 = time.perf_counter()
-        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.env(),
-                                     cwd=ROOT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.env(), cwd=ROOT, start_new_session=True
+        )
         self.pid = self.proc.pid
         self.wait_ready(t0)
         self.started_s = time.perf_counter() - t0
@@ -409,8 +465,12 @@ class Server:
                 break
             time.sleep(0.5)
             port_free = not _port_open(self.port)
-        return {"stop_s": time.perf_counter() - t0, "killed_after_timeout": len(forced), "port_free": port_free,
-                **extra}
+        return {
+            "stop_s": time.perf_counter() - t0,
+            "killed_after_timeout": len(forced),
+            "port_free": port_free,
+            **extra,
+        }
 
     def signal_stop(self) -> None:
         _end([self.proc.pid] + self.tree, signal.SIGTERM)
@@ -432,8 +492,13 @@ class VllmServer(Server):
     def command(self) -> List[str]:
         if not self.args.model_dir:
             raise RuntimeError("vllm needs --model-dir (a config.json + tokenizer folder)")
-        return ["bash", os.path.abspath(self.args.vllm_serve_script), os.path.abspath(self.args.model_dir),
-                str(self.port), *shlex.split(self.args.vllm_args)]
+        return [
+            "bash",
+            os.path.abspath(self.args.vllm_serve_script),
+            os.path.abspath(self.args.model_dir),
+            str(self.port),
+            *shlex.split(self.args.vllm_args),
+        ]
 
     def env(self) -> Dict[str, str]:
         return dict(super().env(), OUT=self.log_dir)  # the script logs to $OUT/vllm_server.log
@@ -479,8 +544,10 @@ class ServingServer(Server):
     def command(self) -> List[str]:
         if self.switch_interval is None:
             return [sys.executable, "-m", "serving", *self.serving_argv()]
-        code = (f"import sys; sys.setswitchinterval({self.switch_interval!r}); import runpy; "
-                f"sys.argv = ['serving'] + {self.serving_argv()!r}; runpy.run_module('serving', run_name='__main__')")
+        code = (
+            f"import sys; sys.setswitchinterval({self.switch_interval!r}); import runpy; "
+            f"sys.argv = ['serving'] + {self.serving_argv()!r}; runpy.run_module('serving', run_name='__main__')"
+        )
         return [sys.executable, "-c", code]
 
     def env(self) -> Dict[str, str]:
@@ -498,10 +565,13 @@ class ServingServer(Server):
             m = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
             return float(m.group(1)) if m else None
 
-        out = {"source": "/metrics", "running": gauge("radixserve_num_requests_running"),
-               "waiting": gauge("radixserve_num_requests_waiting"),
-               "kv_usage_ratio": gauge("radixserve_kv_cache_usage_ratio"),
-               "missing": "kv_free_tokens, kv_total_tokens, kv_evictable_tokens (not exported by /metrics)"}
+        out = {
+            "source": "/metrics",
+            "running": gauge("radixserve_num_requests_running"),
+            "waiting": gauge("radixserve_num_requests_waiting"),
+            "kv_usage_ratio": gauge("radixserve_kv_cache_usage_ratio"),
+            "missing": "kv_free_tokens, kv_total_tokens, kv_evictable_tokens (not exported by /metrics)",
+        }
         if out["kv_usage_ratio"] is not None:
             # kv_usage = (total - free - evictable) / total (Scheduler.stats): 0 at idle <=> free + evictable == total
             out["kv_no_leak"] = out["kv_usage_ratio"] == 0.0
@@ -517,7 +587,11 @@ def _cli(name: str, module: str, func: str) -> List[str]:
     path = path if os.path.exists(path) else shutil.which(name)
     if path:
         return [path]
-    return [sys.executable, "-c", f"import sys; sys.argv[0] = {name!r}; from {module} import {func}; sys.exit({func}())"]
+    return [
+        sys.executable,
+        "-c",
+        f"import sys; sys.argv[0] = {name!r}; from {module} import {func}; sys.exit({func}())",
+    ]
 
 
 class ClusterServer(Server):
@@ -525,8 +599,11 @@ class ClusterServer(Server):
     port = 8000
 
     def command(self) -> List[str]:
-        argv = _cli("serve", "ray.serve.scripts", "cli") + ["run", "cluster.app:deployment",
-                                                             f"served_model_name={SERVED_NAME}"]
+        argv = _cli("serve", "ray.serve.scripts", "cli") + [
+            "run",
+            "cluster.app:deployment",
+            f"served_model_name={SERVED_NAME}",
+        ]
         if self.args.model_dir:
             argv += [f"model={os.path.abspath(self.args.model_dir)}", "load_format=dummy"]
         return argv + shlex.split(self.args.cluster_args)
@@ -554,8 +631,14 @@ class ClusterServer(Server):
         workers = {}
         for wid, w in stats.get("workers", {}).items():
             e = w.get("engine", {})
-            keys = ("kv_free_tokens", "kv_total_tokens", "kv_evictable_tokens", "kv_cached_tokens", "running",
-                    "waiting")
+            keys = (
+                "kv_free_tokens",
+                "kv_total_tokens",
+                "kv_evictable_tokens",
+                "kv_cached_tokens",
+                "running",
+                "waiting",
+            )
             row = {k: e.get(k) for k in keys}
             if None not in (row["kv_free_tokens"], row["kv_total_tokens"], row["kv_evictable_tokens"]):
                 row["kv_no_leak"] = row["kv_free_tokens"] + row["kv_evictable_tokens"] == row["kv_total_tokens"]
@@ -598,6 +681,7 @@ def kv_when_idle(server: Server, timeout: float = 20.0) -> Dict[str, Any]:
 
 # --- one workload through the HTTP client --------------------------------------------------------
 
+
 def client_args(argv: List[str], base_url: str):
     args = bs.build_parser().parse_args(argv + ["--base-url", base_url, "--model", SERVED_NAME])
     args.api_key = None
@@ -622,16 +706,35 @@ def run_workload(argv: List[str], base_url: str, timeout: float) -> Dict[str, An
 
 def warm_up(base_url: str, n: int) -> None:
     if n:
-        args = client_args(["--dataset", "random", "--num-prompts", str(n), "--input-len", "16", "--range-ratio",
-                            "0", "--output-len", "8", "--max-concurrency", str(n), "--seed", str(WARMUP_SEED)]
-                           + COMMON, base_url)
+        args = client_args(
+            [
+                "--dataset",
+                "random",
+                "--num-prompts",
+                str(n),
+                "--input-len",
+                "16",
+                "--range-ratio",
+                "0",
+                "--output-len",
+                "8",
+                "--max-concurrency",
+                str(n),
+                "--seed",
+                str(WARMUP_SEED),
+            ]
+            + COMMON,
+            base_url,
+        )
         asyncio.run(bs.run_load(args, bs.make_workload(args)))
 
 
 # --- vllm bench serve cross-check ----------------------------------------------------------------
 
-def crosscheck(args, server: Server, workload: str, ours: Dict[str, Any], counts: Dict[str, int],
-               log_dir: str) -> Dict[str, Any]:
+
+def crosscheck(
+    args, server: Server, workload: str, ours: Dict[str, Any], counts: Dict[str, int], log_dir: str
+) -> Dict[str, Any]:
     """`vllm bench serve` against `server` with the shape of `workload` (a random one), right after
     our client's run of it; both clients' figures and their ratios."""
     cargs = client_args(workload_argv(workload, counts, args.workload_args), server.base_url)
@@ -640,47 +743,96 @@ def crosscheck(args, server: Server, workload: str, ours: Dict[str, Any], counts
     low = cargs.input_len * (1 - cargs.range_ratio)
     name = f"vllm_bench_{server.name}_{workload}.json"
     cmd = shlex.split(args.vllm_bench_cmd) + [
-        "--backend", "openai", "--endpoint", "/v1/completions", "--base-url", server.base_url,
-        "--model", SERVED_NAME, "--tokenizer", os.path.abspath(args.model_dir or "."),
-        "--dataset-name", "random", "--random-input-len", str(cargs.input_len),
-        "--random-output-len", str(cargs.output_len), "--random-range-ratio", str(cargs.range_ratio),
-        "--num-prompts", str(cargs.num_prompts), "--max-concurrency", str(cargs.max_concurrency),
-        "--ignore-eos", "--temperature", "0", "--seed", str(cargs.seed), "--disable-tqdm",
-        "--save-result", "--result-dir", log_dir, "--result-filename", name]
+        "--backend",
+        "openai",
+        "--endpoint",
+        "/v1/completions",
+        "--base-url",
+        server.base_url,
+        "--model",
+        SERVED_NAME,
+        "--tokenizer",
+        os.path.abspath(args.model_dir or "."),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(cargs.input_len),
+        "--random-output-len",
+        str(cargs.output_len),
+        "--random-range-ratio",
+        str(cargs.range_ratio),
+        "--num-prompts",
+        str(cargs.num_prompts),
+        "--max-concurrency",
+        str(cargs.max_concurrency),
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--seed",
+        str(cargs.seed),
+        "--disable-tqdm",
+        "--save-result",
+        "--result-dir",
+        log_dir,
+        "--result-filename",
+        name,
+    ]
     t0 = time.perf_counter()
     with open(os.path.join(log_dir, f"vllm_bench_{server.name}_{workload}.log"), "w") as log:
         # From /tmp, as peer_vllm_serve.sh runs vLLM: the project root on sys.path shadows packages vLLM imports.
-        p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd="/tmp",
-                           timeout=args.crosscheck_timeout)
-    out: Dict[str, Any] = {"command": shlex.join(cmd), "returncode": p.returncode,
-                           "wall_s": time.perf_counter() - t0}
+        p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd="/tmp", timeout=args.crosscheck_timeout)
+    out: Dict[str, Any] = {"command": shlex.join(cmd), "returncode": p.returncode, "wall_s": time.perf_counter() - t0}
     path = os.path.join(log_dir, name)
     if p.returncode != 0 or not os.path.exists(path):
         out["error"] = "vllm bench serve failed (see its log)"
         return out
     with open(path) as f:
         v = json.load(f)
-    theirs = {"request_throughput": v["request_throughput"], "output_throughput_tok_s": v["output_throughput"],
-              "ttft_ms.p50": v["median_ttft_ms"], "itl_ms.p50": v["median_itl_ms"],
-              "tpot_ms.mean": v["mean_tpot_ms"], "completed": v["completed"], "failed": v.get("failed", 0),
-              "prompt_tokens_mean": v["total_input_tokens"] / v["completed"] if v["completed"] else 0,
-              "output_tokens": v["total_output_tokens"], "duration_s": v["duration"]}
-    mine = {k: lookup(ours, k) for k in ("request_throughput", "output_throughput_tok_s", "ttft_ms.p50",
-                                         "itl_ms.p50", "tpot_ms.mean", "prompt_tokens_mean", "completed")}
+    theirs = {
+        "request_throughput": v["request_throughput"],
+        "output_throughput_tok_s": v["output_throughput"],
+        "ttft_ms.p50": v["median_ttft_ms"],
+        "itl_ms.p50": v["median_itl_ms"],
+        "tpot_ms.mean": v["mean_tpot_ms"],
+        "completed": v["completed"],
+        "failed": v.get("failed", 0),
+        "prompt_tokens_mean": v["total_input_tokens"] / v["completed"] if v["completed"] else 0,
+        "output_tokens": v["total_output_tokens"],
+        "duration_s": v["duration"],
+    }
+    mine = {
+        k: lookup(ours, k)
+        for k in (
+            "request_throughput",
+            "output_throughput_tok_s",
+            "ttft_ms.p50",
+            "itl_ms.p50",
+            "tpot_ms.mean",
+            "prompt_tokens_mean",
+            "completed",
+        )
+    }
     agreement = {}
     for key in ("request_throughput", "ttft_ms.p50", "itl_ms.p50", "tpot_ms.mean"):
         if mine.get(key) and theirs.get(key):
             r = mine[key] / theirs[key]
             agreement[key] = {"ours_over_vllm_client": r, "within_5pct": abs(r - 1) <= 0.05}
-    out.update(ours=mine, vllm_bench_serve=theirs, agreement=agreement,
-               prompt_tokens_note=(f"our prompts: {cargs.input_len} words (range {low:.0f}-{cargs.input_len}), "
-                                   f"{mine['prompt_tokens_mean']:.1f} tokens on average as the server counted; "
-                                   f"vLLM's random dataset: {cargs.input_len} random token ids decoded to text, "
-                                   f"{theirs['prompt_tokens_mean']:.1f} tokens on average as the server counted"))
+    out.update(
+        ours=mine,
+        vllm_bench_serve=theirs,
+        agreement=agreement,
+        prompt_tokens_note=(
+            f"our prompts: {cargs.input_len} words (range {low:.0f}-{cargs.input_len}), "
+            f"{mine['prompt_tokens_mean']:.1f} tokens on average as the server counted; "
+            f"vLLM's random dataset: {cargs.input_len} random token ids decoded to text, "
+            f"{theirs['prompt_tokens_mean']:.1f} tokens on average as the server counted"
+        ),
+    )
     return out
 
 
 # --- py-spy profile of a server during one workload ----------------------------------------------
+
 
 def profile(args, server: Server, workload: str, counts: Dict[str, int], log_dir: str) -> Dict[str, Any]:
     pid = server.pid
@@ -692,8 +844,22 @@ def profile(args, server: Server, workload: str, counts: Dict[str, int], log_dir
     records = []
     for kind, extra in (("threads", ["--threads"]), ("gil", ["--gil"])):
         path = os.path.join(log_dir, f"pyspy_{tag}_{kind}.txt")
-        cmd = [args.py_spy, "record", "--pid", str(pid), "-r", str(args.py_spy_rate), "-d", str(args.py_spy_duration),
-               "--nonblocking", "--format", "raw", "-o", path, *extra]
+        cmd = [
+            args.py_spy,
+            "record",
+            "--pid",
+            str(pid),
+            "-r",
+            str(args.py_spy_rate),
+            "-d",
+            str(args.py_spy_duration),
+            "--nonblocking",
+            "--format",
+            "raw",
+            "-o",
+            path,
+            *extra,
+        ]
         log = open(os.path.join(log_dir, f"pyspy_{tag}_{kind}.log"), "w")
         records.append((kind, path, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), cmd))
     out: Dict[str, Any] = {"workload": workload, "pid": pid, "commands": [shlex.join(r[3]) for r in records]}
@@ -710,8 +876,7 @@ def profile(args, server: Server, workload: str, counts: Dict[str, int], log_dir
     t = threading.Thread(target=load)
     t.start()
     time.sleep(min(5.0, args.py_spy_duration / 2))
-    dump = subprocess.run([args.py_spy, "dump", "--pid", str(pid)], capture_output=True, text=True,
-                          timeout=60)
+    dump = subprocess.run([args.py_spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60)
     with open(os.path.join(log_dir, f"pyspy_{tag}_dump.txt"), "w") as f:
         f.write(dump.stdout + dump.stderr)
     out["dump_returncode"] = dump.returncode
@@ -722,14 +887,19 @@ def profile(args, server: Server, workload: str, counts: Dict[str, int], log_dir
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGINT)
             proc.wait(timeout=30)
-        out[f"record_{kind}"] = {"returncode": proc.returncode, "file": os.path.basename(path),
-                                 "exists": os.path.exists(path)}
-    out["profiled_run"] = {k: lookup(result.get("summary", {}), k) for k in SUMMARY_KEYS} if "summary" in result \
-        else result
+        out[f"record_{kind}"] = {
+            "returncode": proc.returncode,
+            "file": os.path.basename(path),
+            "exists": os.path.exists(path),
+        }
+    out["profiled_run"] = (
+        {k: lookup(result.get("summary", {}), k) for k in SUMMARY_KEYS} if "summary" in result else result
+    )
     return out
 
 
 # --- the bare engine (a child process, no HTTP) ---------------------------------------------------
+
 
 def bare_child(spec_path: str) -> None:
     """Runs in its own process (--bare-child): one Engine, each workload of the spec through
@@ -757,10 +927,12 @@ def bare_child(spec_path: str) -> None:
                 continue
             prompts = []
             for (turn,) in sessions:
-                prompts.append(turn.prompt if turn.prompt is not None else
-                               list(engine.tokenizer.apply_chat_template(turn.messages, add_generation_prompt=True)))
-            params = {"temperature": args.temperature, "max_new_tokens": args.output_len,
-                      "ignore_eos": args.ignore_eos}
+                prompts.append(
+                    turn.prompt
+                    if turn.prompt is not None
+                    else list(engine.tokenizer.apply_chat_template(turn.messages, add_generation_prompt=True))
+                )
+            params = {"temperature": args.temperature, "max_new_tokens": args.output_len, "ignore_eos": args.ignore_eos}
 
             async def main(prompts=prompts, params=params, args=args):
                 sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
@@ -797,12 +969,23 @@ def bare_child(spec_path: str) -> None:
             summary["bench_serving_args"] = argv
             record["workloads"][name] = summary
             st = engine.stats()
-            kv = {k: st.get(k) for k in ("kv_free_tokens", "kv_total_tokens", "kv_evictable_tokens",
-                                         "kv_cached_tokens", "running", "waiting")}
+            kv = {
+                k: st.get(k)
+                for k in (
+                    "kv_free_tokens",
+                    "kv_total_tokens",
+                    "kv_evictable_tokens",
+                    "kv_cached_tokens",
+                    "running",
+                    "waiting",
+                )
+            }
             kv["kv_no_leak"] = kv["kv_free_tokens"] + kv["kv_evictable_tokens"] == kv["kv_total_tokens"]
             record["kv"][name] = kv
-            print(f"bare {name}: {summary['request_throughput']:.2f} req/s, ITL p50 {summary['itl_ms']['p50']:.2f} ms",
-                  flush=True)
+            print(
+                f"bare {name}: {summary['request_throughput']:.2f} req/s, ITL p50 {summary['itl_ms']['p50']:.2f} ms",
+                flush=True,
+            )
     finally:
         engine.shutdown()
     with open(spec["out"], "w") as f:
@@ -816,23 +999,35 @@ def run_bare(args, workloads: List[str], counts: Dict[str, int], log_dir: str) -
     serving_argv += shlex.split(args.serving_args)
     fd, out = tempfile.mkstemp(suffix=".json", dir=log_dir)
     os.close(fd)
-    spec = {"serving_argv": serving_argv, "out": out,
-            "workloads": {w: workload_argv(w, counts, args.workload_args) for w in workloads}}
+    spec = {
+        "serving_argv": serving_argv,
+        "out": out,
+        "workloads": {w: workload_argv(w, counts, args.workload_args) for w in workloads},
+    }
     spec_path = out + ".spec"
     with open(spec_path, "w") as f:
         json.dump(spec, f)
     t0 = time.perf_counter()
     timeout = args.start_timeout + args.workload_timeout * len(workloads)
     with open(os.path.join(log_dir, "server_bare.log"), "w") as log:
-        p = subprocess.run([sys.executable, os.path.abspath(__file__), "--bare-child", spec_path], stdout=log,
-                           stderr=subprocess.STDOUT, cwd=ROOT, timeout=timeout,
-                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        p = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--bare-child", spec_path],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            timeout=timeout,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )
     run: Dict[str, Any] = {"returncode": p.returncode, "wall_s": time.perf_counter() - t0}
     try:
         with open(out) as f:
             child = json.load(f)
-        run.update(started_s=child["engine_load_s"], workloads=child["workloads"],
-                   kv={w: v for w, v in child["kv"].items()}, errors=child["errors"])
+        run.update(
+            started_s=child["engine_load_s"],
+            workloads=child["workloads"],
+            kv={w: v for w, v in child["kv"].items()},
+            errors=child["errors"],
+        )
     except (OSError, ValueError, KeyError):
         run["error"] = "the bare child wrote no result (see server_bare.log)"
     for path in (out, spec_path):
@@ -845,12 +1040,18 @@ def run_bare(args, workloads: List[str], counts: Dict[str, int], log_dir: str) -
 
 # --- main ---------------------------------------------------------------------------------------
 
+
 def machine_info() -> Dict[str, Any]:
     """bench_offline.hardware() in a child process, so this process never creates a CUDA context."""
     code = "import json, sys; sys.path.insert(0, %r); import bench_offline; print(json.dumps(bench_offline.hardware()))"
     try:
-        p = subprocess.run([sys.executable, "-c", code % os.path.dirname(os.path.abspath(__file__))],
-                           capture_output=True, text=True, timeout=120, cwd=ROOT)
+        p = subprocess.run(
+            [sys.executable, "-c", code % os.path.dirname(os.path.abspath(__file__))],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+        )
         hw = json.loads(p.stdout.strip().splitlines()[-1])
     except (subprocess.TimeoutExpired, ValueError, IndexError):
         hw = {"python": platform.python_version(), "cpu_count": str(os.cpu_count())}
@@ -865,28 +1066,47 @@ def machine_info() -> Dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-dir", default=".gpu-model/llama-3.1-8b",
-                   help="config.json + tokenizer folder, served on dummy weights; '' = the default model "
-                        "(real weights, no vllm)")
+    p.add_argument(
+        "--model-dir",
+        default=".gpu-model/llama-3.1-8b",
+        help="config.json + tokenizer folder, served on dummy weights; '' = the default model (real weights, no vllm)",
+    )
     p.add_argument("--servers", nargs="+", choices=SERVERS, default=["vllm", "serving", "cluster"])
-    p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS),
-                   default=["random-1", "random-8", "random-64", "random-256", "shared-prefix", "multi-turn"])
-    p.add_argument("--count", nargs="*", default=[], metavar="WORKLOAD=N",
-                   help="workload sizes (random: requests, shared-prefix: groups, multi-turn: conversations)")
+    p.add_argument(
+        "--workloads",
+        nargs="+",
+        choices=list(WORKLOADS),
+        default=["random-1", "random-8", "random-64", "random-256", "shared-prefix", "multi-turn"],
+    )
+    p.add_argument(
+        "--count",
+        nargs="*",
+        default=[],
+        metavar="WORKLOAD=N",
+        help="workload sizes (random: requests, shared-prefix: groups, multi-turn: conversations)",
+    )
     p.add_argument("--warmup-requests", type=int, default=4)
-    p.add_argument("--vllm-serve-script", default=os.path.join(ROOT, "..", "shared", "gpu", "peer_vllm_serve.sh"),
-                   help="the script that starts vLLM's server: SCRIPT MODEL_DIR PORT [flags]")
+    p.add_argument(
+        "--vllm-serve-script",
+        default=os.path.join(ROOT, "..", "shared", "gpu", "peer_vllm_serve.sh"),
+        help="the script that starts vLLM's server: SCRIPT MODEL_DIR PORT [flags]",
+    )
     p.add_argument("--vllm-args", default="", help="extra flags of vLLM's server")
     p.add_argument("--serving-args", default="", help="extra flags of python -m serving (also the bare engine's)")
     p.add_argument("--cluster-args", default="", help="extra key=value ClusterArgs of serve run")
     p.add_argument("--vllm-port", type=int, default=8100)
     p.add_argument("--serving-port", type=int, default=8200)
     p.add_argument("--switch-interval", type=float, default=0.0002, help="serving-switch: sys.setswitchinterval")
-    p.add_argument("--ray-stop", action="store_true",
-                   help="cluster: `ray stop --force` after stopping (ends EVERY Ray process of the machine)")
+    p.add_argument(
+        "--ray-stop",
+        action="store_true",
+        help="cluster: `ray stop --force` after stopping (ends EVERY Ray process of the machine)",
+    )
     p.add_argument("--crosscheck", nargs="*", default=[], metavar="SERVER:WORKLOAD")
-    p.add_argument("--vllm-bench-cmd",
-                   default="env -u PYTHONPATH PYTHONPATH=/tmp/peer-site python3 -m vllm.entrypoints.cli.main bench serve")
+    p.add_argument(
+        "--vllm-bench-cmd",
+        default="env -u PYTHONPATH PYTHONPATH=/tmp/peer-site python3 -m vllm.entrypoints.cli.main bench serve",
+    )
     p.add_argument("--crosscheck-timeout", type=float, default=300)
     p.add_argument("--profile", nargs="*", default=[], metavar="SERVER:WORKLOAD")
     p.add_argument("--py-spy", default=None, help="py-spy binary (for --profile)")
@@ -897,8 +1117,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workload-timeout", type=float, default=240, help="seconds for one workload's client run")
     p.add_argument("--log-dir", default=None, help="server logs, vllm bench results, profiles (default: a temp dir)")
     p.add_argument("--label", default="")
-    p.add_argument("--merge", action="store_true",
-                   help="keep the servers of an existing --out JSON that this run does not measure")
+    p.add_argument(
+        "--merge", action="store_true", help="keep the servers of an existing --out JSON that this run does not measure"
+    )
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/online_<GPU or cpu>.json)")
     p.add_argument("--bare-child", default=None, help=argparse.SUPPRESS)
     return p
@@ -909,7 +1130,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     extra: List[str] = []
     if "--" in argv:
         i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
+        argv, extra = argv[:i], argv[i + 1 :]
     args = build_parser().parse_args(argv)
     if args.bare_child:
         return bare_child(args.bare_child)
@@ -929,15 +1150,23 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.merge and os.path.exists(out):
         with open(out) as f:
             record = json.load(f)
-    record.update(benchmark="bench_online", hardware=hw, label=args.label,
-                  model=os.path.basename(os.path.normpath(args.model_dir)) + " (dummy weights)" if args.model_dir
-                  else "default model")
+    record.update(
+        benchmark="bench_online",
+        hardware=hw,
+        label=args.label,
+        model=os.path.basename(os.path.normpath(args.model_dir)) + " (dummy weights)"
+        if args.model_dir
+        else "default model",
+    )
     record.setdefault("settings", {})
     record["settings"][time.strftime("%Y-%m-%dT%H:%M:%S%z")] = {
-        "argv": argv, "workload_args": extra, "servers": args.servers,
+        "argv": argv,
+        "workload_args": extra,
+        "servers": args.servers,
         "workloads": {w: workload_argv(w, counts, extra) for w in args.workloads},
         "caveat": "servers are not restarted between workloads: prefix caches persist across workloads "
-                  "(each workload has its own seed, so its prompts are new to the cache; this favours no server)"}
+        "(each workload has its own seed, so its prompts are new to the cache; this favours no server)",
+    }
     runs = record.setdefault("runs", {})
     record.setdefault("crosscheck", {})
     record.setdefault("profiles", {})
@@ -951,13 +1180,22 @@ def main(argv: Optional[List[str]] = None) -> None:
     for name in args.servers:
         print(f"\n=== {name} ===", flush=True)
         if name == "bare":
-            runs[name] = dict(run_bare(args, args.workloads, counts, log_dir), host=hw.get("host"),
-                              boot_id=hw.get("boot_id"), measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
+            runs[name] = dict(
+                run_bare(args, args.workloads, counts, log_dir),
+                host=hw.get("host"),
+                boot_id=hw.get("boot_id"),
+                measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
+            )
             save()
             continue
         server = make_server(name, args, log_dir)
-        run: Dict[str, Any] = {"workloads": {}, "kv": {}, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                               "host": hw.get("host"), "boot_id": hw.get("boot_id")}
+        run: Dict[str, Any] = {
+            "workloads": {},
+            "kv": {},
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "host": hw.get("host"),
+            "boot_id": hw.get("boot_id"),
+        }
         runs[name] = run
         try:
             server.start()
@@ -973,9 +1211,12 @@ def main(argv: Optional[List[str]] = None) -> None:
                     print(f"{name} {w}: {run['errors'][w]}", flush=True)
                     continue
                 run["workloads"][w] = s
-                print(f"{name} {w}: {s['request_throughput']:.2f} req/s, TTFT p50 {s['ttft_ms']['p50']:.1f} ms, "
-                      f"ITL p50 {s['itl_ms']['p50']:.2f} ms, TPOT {s['tpot_ms']['mean']:.2f} ms, "
-                      f"events/token {s['events_per_output_token']:.2f}, failed {s['failed']}", flush=True)
+                print(
+                    f"{name} {w}: {s['request_throughput']:.2f} req/s, TTFT p50 {s['ttft_ms']['p50']:.1f} ms, "
+                    f"ITL p50 {s['itl_ms']['p50']:.2f} ms, TPOT {s['tpot_ms']['mean']:.2f} ms, "
+                    f"events/token {s['events_per_output_token']:.2f}, failed {s['failed']}",
+                    flush=True,
+                )
                 if name in RADIXSERVE:
                     run["kv"][w] = kv_when_idle(server)
                 if (name, w) in checks:
@@ -984,8 +1225,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                         record["crosscheck"][key] = crosscheck(args, server, w, s, counts, log_dir)
                     except Exception as exc:  # noqa: BLE001
                         record["crosscheck"][key] = {"error": f"{type(exc).__name__}: {exc}"}
-                    print(f"crosscheck {key}: {json.dumps(record['crosscheck'][key].get('agreement') or record['crosscheck'][key].get('error'))}",
-                          flush=True)
+                    result = record["crosscheck"][key]
+                    print(f"crosscheck {key}: {json.dumps(result.get('agreement') or result.get('error'))}", flush=True)
                 if (name, w) in profiles:
                     key = f"{name}:{w}"
                     try:
@@ -1006,9 +1247,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     print(table(record))
     for key, c in record["crosscheck"].items():
         if "agreement" in c:
-            print(f"crosscheck {key} (ours / vllm bench serve): " + ", ".join(
-                f"{k} {v['ours_over_vllm_client']:.3f}{'' if v['within_5pct'] else ' (>5%)'}"
-                for k, v in c["agreement"].items()))
+            print(
+                f"crosscheck {key} (ours / vllm bench serve): "
+                + ", ".join(
+                    f"{k} {v['ours_over_vllm_client']:.3f}{'' if v['within_5pct'] else ' (>5%)'}"
+                    for k, v in c["agreement"].items()
+                )
+            )
     leaks = {f"{s}:{w}": kv.get("kv_no_leak") for s, r in runs.items() for w, kv in r.get("kv", {}).items()}
     if leaks:
         print("KV free + evictable == total after each workload: " + ", ".join(f"{k} {v}" for k, v in leaks.items()))

@@ -16,6 +16,7 @@ When both sides are present it prints the table and the ratios (cluster / bare t
   python benchmarks/bench_overhead.py --mode cluster --base-url http://127.0.0.1:8000
   python benchmarks/bench_overhead.py --mode bare --threads 1
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,7 +26,7 @@ import math
 import os
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -50,8 +51,9 @@ def run_bare(args, sessions) -> Dict[str, Any]:
         torch.set_num_threads(args.threads)
     from engine import Engine
 
-    opts = dict(max_total_tokens=args.max_total_tokens, chunked_prefill_size=args.chunked_prefill_size,
-                **args.engine_options)
+    opts = dict(
+        max_total_tokens=args.max_total_tokens, chunked_prefill_size=args.chunked_prefill_size, **args.engine_options
+    )
     t0 = time.perf_counter()
     engine = Engine(**{k: v for k, v in opts.items() if v is not None})
     load_s = time.perf_counter() - t0
@@ -64,7 +66,6 @@ def run_bare(args, sessions) -> Dict[str, Any]:
                 prompts.append(t.prompt)
             else:  # chat: render with the chat template, as the ingress does
                 if tok is None:
-                    from transformers import AutoTokenizer  # pragma: no cover
                     raise RuntimeError("engine has no tokenizer attribute for chat prompts")
                 prompts.append(list(tok.apply_chat_template(t.messages, add_generation_prompt=True)))
         params = {"temperature": args.temperature, "max_new_tokens": args.output_len, "ignore_eos": args.ignore_eos}
@@ -134,9 +135,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="bare: torch threads (match the worker's).")
     p.add_argument("--max-total-tokens", type=int, default=None, help="bare: KV pool (match the worker's).")
     p.add_argument("--chunked-prefill-size", type=int, default=None)
-    p.add_argument("--engine-options", type=json.loads, default={},
-                   help='bare: more EngineConfig fields as JSON, the same the cluster\'s worker got, e.g. '
-                        '\'{"model": "/path/llama", "load_format": "dummy"}\' (default: the default model).')
+    p.add_argument(
+        "--engine-options",
+        type=json.loads,
+        default={},
+        help="bare: more EngineConfig fields as JSON, the same the cluster's worker got, e.g. "
+        '\'{"model": "/path/llama", "load_format": "dummy"}\' (default: the default model).',
+    )
     p.add_argument("--label", default="")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -157,14 +162,22 @@ def main() -> None:
         record["runs"]["bare"] = run_bare(args, sessions)
 
     runs = record["runs"]
-    cols = [("request_throughput", "req/s"), ("output_throughput_tok_s", "out tok/s"),
-            ("total_throughput_tok_s", "total tok/s")]
-    print(f"\n{'run':<10}" + "".join(f"{c[1]:>13}" for c in cols) + f"{'TTFT p50':>11}{'TTFT p99':>11}"
-          f"{'ITL p50':>10}{'E2E p50':>10}{'ok':>8}")
+    cols = [
+        ("request_throughput", "req/s"),
+        ("output_throughput_tok_s", "out tok/s"),
+        ("total_throughput_tok_s", "total tok/s"),
+    ]
+    print(
+        f"\n{'run':<10}" + "".join(f"{c[1]:>13}" for c in cols) + f"{'TTFT p50':>11}{'TTFT p99':>11}"
+        f"{'ITL p50':>10}{'E2E p50':>10}{'ok':>8}"
+    )
     for name, s in runs.items():
-        print(f"{name:<10}" + "".join(f"{s[c[0]]:>13.2f}" for c in cols)
-              + f"{s['ttft_ms']['p50']:>11.1f}{s['ttft_ms']['p99']:>11.1f}{s['itl_ms']['p50']:>10.1f}"
-              f"{s['e2e_ms']['p50']:>10.1f}{s['completed']:>5}/{s['requests']}")
+        print(
+            f"{name:<10}"
+            + "".join(f"{s[c[0]]:>13.2f}" for c in cols)
+            + f"{s['ttft_ms']['p50']:>11.1f}{s['ttft_ms']['p99']:>11.1f}{s['itl_ms']['p50']:>10.1f}"
+            f"{s['e2e_ms']['p50']:>10.1f}{s['completed']:>5}/{s['requests']}"
+        )
     if "cluster" in runs and "bare" in runs:
         c, b = runs["cluster"], runs["bare"]
         record["ratios"] = {

@@ -8,6 +8,7 @@ Prints a table and writes JSON to benchmarks/results/ naming the hardware.
   python benchmarks/bench_overlap.py --num-prompts 64 --input-len 64 --output-len 256
   python benchmarks/bench_overlap.py --config benchmarks/configs/llama-3.1-8b.json   # dummy weights (GPU)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,13 @@ def run(engine_kwargs: Dict, prompts: List[List[int]], output_len: int, repeats:
     gc.collect()
     best = min(times)
     n_out = sum(o.completion_tokens for o in outs)
-    return dict(elapsed_s=best, output_tok_per_s=n_out / best, all_elapsed_s=times, decode_steps=steps,
-                token_ids=[o.token_ids for o in outs])
+    return dict(
+        elapsed_s=best,
+        output_tok_per_s=n_out / best,
+        all_elapsed_s=times,
+        decode_steps=steps,
+        token_ids=[o.token_ids for o in outs],
+    )
 
 
 def main() -> None:
@@ -63,8 +69,13 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/overlap_<...>.json)")
     args = p.parse_args()
-    kwargs = dict(model=args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
-                  disable_cuda_graph=args.disable_cuda_graph)
+    kwargs = dict(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
+        disable_cuda_graph=args.disable_cuda_graph,
+    )
     if args.config:
         folder = tempfile.mkdtemp(prefix="bench-model-")
         shutil.copy(args.config, os.path.join(folder, "config.json"))
@@ -78,13 +89,18 @@ def main() -> None:
     vocab = int(load_config(resolve_model(kwargs["model"])).vocab_size)
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(100, vocab) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
-    runs = {"overlap": run(kwargs, prompts, args.output_len, args.repeats),
-            "no overlap (baseline)": run(dict(kwargs, disable_overlap_schedule=True), prompts, args.output_len,
-                                         args.repeats)}
+    runs = {
+        "overlap": run(kwargs, prompts, args.output_len, args.repeats),
+        "no overlap (baseline)": run(
+            dict(kwargs, disable_overlap_schedule=True), prompts, args.output_len, args.repeats
+        ),
+    }
     same = runs["overlap"].pop("token_ids") == runs["no overlap (baseline)"].pop("token_ids")
     hw = hardware()
-    print(f"\n{len(prompts)} prompts of {args.input_len} tokens, {args.output_len} output tokens each; "
-          f"{hw.get('gpu', hw['cpu'])}")
+    print(
+        f"\n{len(prompts)} prompts of {args.input_len} tokens, {args.output_len} output tokens each; "
+        f"{hw.get('gpu', hw['cpu'])}"
+    )
     print(f"{'run':<24}{'output_tok_per_s':>18}{'elapsed_s':>12}{'decode_steps':>14}")
     for name, r in runs.items():
         print(f"{name:<24}{r['output_tok_per_s']:>18.1f}{r['elapsed_s']:>12.3f}{r['decode_steps']:>14}")
@@ -92,8 +108,19 @@ def main() -> None:
     print(f"speedup from overlap scheduling: {speedup:.3f}x; greedy outputs identical: {same}")
     out = result_path(args.out, "overlap", hw)
     with open(out, "w") as f:
-        json.dump(dict(benchmark="bench_overlap", args=vars(args), hardware=hw, runs=runs, speedup=speedup,
-                       outputs_identical=same, time=time.strftime("%Y-%m-%dT%H:%M:%S%z")), f, indent=2)
+        json.dump(
+            dict(
+                benchmark="bench_overlap",
+                args=vars(args),
+                hardware=hw,
+                runs=runs,
+                speedup=speedup,
+                outputs_identical=same,
+                time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            ),
+            f,
+            indent=2,
+        )
     print(f"wrote {out}")
     if not same:
         sys.exit("greedy outputs differ between overlap on and off")

@@ -11,6 +11,7 @@ match + insert of a prompt on a full tree.
 
   python benchmarks/bench_router.py --workers 8 --tree-tokens 100000
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,7 +54,7 @@ def make_workload(args) -> List[List[int]]:
             prompt = rng.choice(prompts[-200:]) + ids(rng.randrange(50, 300))
         else:
             prompt = rng.choices(prefixes, weights)[0] + ids(rng.randrange(200, 800))
-        prompts.append(prompt[-args.max_prompt:] if rng.random() < 0.05 else prompt[:args.max_prompt])
+        prompts.append(prompt[-args.max_prompt :] if rng.random() < 0.05 else prompt[: args.max_prompt])
     return prompts
 
 
@@ -87,19 +88,23 @@ def bench_policy(name: str, prompts: List[List[int]], args) -> Dict:
             total += len(prompt)
     stats = router.state.stats()
     routed = [s.routed_requests for s in stats.values()]
-    return {"policy": name, **percentiles(samples), "reasons": reasons,
-            "est_hit_rate": matched / total,
-            "busiest_share": max(routed) / (sum(routed) / len(routed)),
-            "tree_tokens_mean": sum(s.tree_tokens for s in stats.values()) / len(stats),
-            "tree_nodes_mean": sum(s.tree_nodes for s in stats.values()) / len(stats)}
+    return {
+        "policy": name,
+        **percentiles(samples),
+        "reasons": reasons,
+        "est_hit_rate": matched / total,
+        "busiest_share": max(routed) / (sum(routed) / len(routed)),
+        "tree_tokens_mean": sum(s.tree_tokens for s in stats.values()) / len(stats),
+        "tree_nodes_mean": sum(s.tree_nodes for s in stats.values()) / len(stats),
+    }
 
 
 def bench_tree(prompts: List[List[int]], args) -> Dict:
     tree = ApproximateTree(max_tokens=args.tree_tokens)
-    for prompt in prompts[:args.warmup]:
+    for prompt in prompts[: args.warmup]:
         tree.insert(prompt)
     match_ns, insert_ns = [], []
-    for prompt in prompts[args.warmup:]:
+    for prompt in prompts[args.warmup :]:
         t0 = time.perf_counter_ns()
         tree.match(prompt)
         t1 = time.perf_counter_ns()
@@ -108,8 +113,13 @@ def bench_tree(prompts: List[List[int]], args) -> Dict:
         match_ns.append(t1 - t0)
         insert_ns.append(t2 - t1)
     both = [a + b for a, b in zip(match_ns, insert_ns)]
-    return {"match": percentiles(match_ns), "insert": percentiles(insert_ns),
-            "match_plus_insert": percentiles(both), "tree_tokens": tree.size(), "tree_nodes": tree.num_nodes()}
+    return {
+        "match": percentiles(match_ns),
+        "insert": percentiles(insert_ns),
+        "match_plus_insert": percentiles(both),
+        "tree_tokens": tree.size(),
+        "tree_nodes": tree.num_nodes(),
+    }
 
 
 def main() -> None:
@@ -130,24 +140,41 @@ def main() -> None:
     prompts = make_workload(args)
     lengths = sorted(len(x) for x in prompts)
     hw = hardware()
-    print(f"cpu: {hw['cpu']}  python {hw['python']}  workers {args.workers}  tree cap {args.tree_tokens} tokens"
-          f"  prompt len p50 {lengths[len(lengths) // 2]} max {lengths[-1]}")
+    print(
+        f"cpu: {hw['cpu']}  python {hw['python']}  workers {args.workers}  tree cap {args.tree_tokens} tokens"
+        f"  prompt len p50 {lengths[len(lengths) // 2]} max {lengths[-1]}"
+    )
     policies = [bench_policy(name, prompts, args) for name in args.policies.split(",")]
     tree = bench_tree(prompts, args)
 
     print("\nest hit: prompt tokens already in the chosen tree; busiest: busiest worker's requests / mean")
-    print(f"{'policy':<14}{'p50 us':>9}{'p99 us':>9}{'mean us':>9}{'est hit':>9}{'busiest':>9}{'tree tok':>10}{'nodes':>7}  reasons")
+    print(
+        f"{'policy':<14}{'p50 us':>9}{'p99 us':>9}{'mean us':>9}{'est hit':>9}{'busiest':>9}"
+        f"{'tree tok':>10}{'nodes':>7}  reasons"
+    )
     for r in policies:
-        print(f"{r['policy']:<14}{r['p50_us']:>9.1f}{r['p99_us']:>9.1f}{r['mean_us']:>9.1f}"
-              f"{r['est_hit_rate']:>9.3f}{r['busiest_share']:>9.2f}{r['tree_tokens_mean']:>10.0f}{r['tree_nodes_mean']:>7.0f}  {r['reasons']}")
+        print(
+            f"{r['policy']:<14}{r['p50_us']:>9.1f}{r['p99_us']:>9.1f}{r['mean_us']:>9.1f}"
+            f"{r['est_hit_rate']:>9.3f}{r['busiest_share']:>9.2f}{r['tree_tokens_mean']:>10.0f}"
+            f"{r['tree_nodes_mean']:>7.0f}  {r['reasons']}"
+        )
     print(f"\none tree ({tree['tree_tokens']} tokens, {tree['tree_nodes']} nodes), per prompt:")
     for op in ("match", "insert", "match_plus_insert"):
         print(f"  {op:<18} p50 {tree[op]['p50_us']:7.1f} us   p99 {tree[op]['p99_us']:7.1f} us")
 
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"hardware": hw, "args": vars(args), "prompt_len_p50": lengths[len(lengths) // 2],
-                   "policies": policies, "tree": tree}, f, indent=2)
+        json.dump(
+            {
+                "hardware": hw,
+                "args": vars(args),
+                "prompt_len_p50": lengths[len(lengths) // 2],
+                "policies": policies,
+                "tree": tree,
+            },
+            f,
+            indent=2,
+        )
     print(f"\nwrote {args.out}")
 
 

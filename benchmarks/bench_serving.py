@@ -36,6 +36,7 @@ the turns of one conversation run in order.
 Writes JSON to benchmarks/results/ (and a PNG of the latency distributions when matplotlib is
 installed). Prints a table; asserts nothing about timings.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,19 +55,23 @@ import httpx
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
-_WORDS = ("time year people way day man thing woman life child world school state family student group country "
-          "problem hand part place case week company system program question work government number night point "
-          "home water room mother area money story fact month lot right study book eye job word business issue "
-          "side kind head house service friend father power hour game line end member law car city community name "
-          "president team minute idea kid body information back parent face others level office door health person "
-          "art war history party result change morning reason research girl guy moment air teacher force education").split()
+_WORDS = (
+    "time year people way day man thing woman life child world school state family student group country "
+    "problem hand part place case week company system program question work government number night point "
+    "home water room mother area money story fact month lot right study book eye job word business issue "
+    "side kind head house service friend father power hour game line end member law car city community name "
+    "president team minute idea kid body information back parent face others level office door health person "
+    "art war history party result change morning reason research girl guy moment air teacher force education"
+).split()
 
 
 # --- workloads ---------------------------------------------------------------------------------
 
+
 @dataclass
 class Turn:
     """One request: a completions prompt or chat messages (multi-turn: filled in as answers arrive)."""
+
     prompt: Optional[str] = None
     messages: Optional[List[Dict[str, str]]] = None
     question: Optional[str] = None
@@ -88,17 +93,28 @@ def make_workload(args) -> List[List[Turn]]:
         for g in range(args.num_groups):
             system = f"You are assistant number {g}. " + _text(rng, args.system_prompt_len)
             for _ in range(args.prompts_per_group):
-                sessions.append([Turn(messages=[{"role": "system", "content": system},
-                                                {"role": "user", "content": _text(rng, args.question_len)}])])
+                sessions.append(
+                    [
+                        Turn(
+                            messages=[
+                                {"role": "system", "content": system},
+                                {"role": "user", "content": _text(rng, args.question_len)},
+                            ]
+                        )
+                    ]
+                )
         rng.shuffle(sessions)
         return sessions
     if args.dataset == "multi-turn":
-        return [[Turn(question=_text(rng, args.question_len)) for _ in range(args.num_turns)]
-                for _ in range(args.num_conversations)]
+        return [
+            [Turn(question=_text(rng, args.question_len)) for _ in range(args.num_turns)]
+            for _ in range(args.num_conversations)
+        ]
     raise ValueError(f"unknown dataset {args.dataset!r}")
 
 
 # --- one request -------------------------------------------------------------------------------
+
 
 @dataclass
 class Result:
@@ -137,8 +153,13 @@ class Result:
 
 
 async def send(client: httpx.AsyncClient, args, turn: Turn, history: List[Dict[str, str]]) -> Result:
-    common = {"model": args.model, "max_tokens": args.output_len, "temperature": args.temperature,
-              "stream": True, "stream_options": {"include_usage": True}}
+    common = {
+        "model": args.model,
+        "max_tokens": args.output_len,
+        "temperature": args.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if args.ignore_eos:
         common["ignore_eos"] = True
     if turn.prompt is not None:
@@ -178,6 +199,7 @@ async def send(client: httpx.AsyncClient, args, turn: Turn, history: List[Dict[s
 
 # --- load generation ---------------------------------------------------------------------------
 
+
 async def run_load(args, sessions: List[List[Turn]]) -> tuple:
     from tqdm.asyncio import tqdm
 
@@ -189,8 +211,10 @@ async def run_load(args, sessions: List[List[Turn]]) -> tuple:
     results: List[Result] = []
     bar = tqdm(total=total, desc=f"{args.dataset}", unit="req")
 
-    async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout, headers=headers,
-                                 limits=limits) as client:
+    async with httpx.AsyncClient(
+        base_url=args.base_url, timeout=args.timeout, headers=headers, limits=limits
+    ) as client:
+
         async def one(turn: Turn, history: List[Dict[str, str]], key: str) -> Result:
             if sem is None:
                 res = await send(client, args, turn, history)
@@ -207,8 +231,10 @@ async def run_load(args, sessions: List[List[Turn]]) -> tuple:
             for t, turn in enumerate(turns):
                 res = await one(turn, history, f"{index}.{t}")
                 if turn.question is not None:
-                    history = history + [{"role": "user", "content": turn.question},
-                                         {"role": "assistant", "content": res.text}]
+                    history = history + [
+                        {"role": "user", "content": turn.question},
+                        {"role": "assistant", "content": res.text},
+                    ]
 
         tasks = []
         start = time.perf_counter()
@@ -224,6 +250,7 @@ async def run_load(args, sessions: List[List[Turn]]) -> tuple:
 
 # --- server-side cache statistics --------------------------------------------------------------
 
+
 def server_cache_counters(base_url: str, api_key: Optional[str]) -> Optional[Dict[str, float]]:
     """(prompt_tokens, cached_tokens) summed over the server's workers, or None if not exposed."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -232,21 +259,30 @@ def server_cache_counters(base_url: str, api_key: Optional[str]) -> Optional[Dic
         if r.status_code == 200:
             # Decode replicas of a disaggregated cluster count imported prompts again: the computing pools only.
             ws = [w for w in r.json()["workers"].values() if w.get("pool") != "decode"]
-            return {"source": "router_stats", "prompt_tokens": sum(w["engine"].get("prompt_tokens", 0) for w in ws),
-                    "cached_tokens": sum(w["engine"].get("cached_tokens", 0) for w in ws),
-                    "workers": len(ws)}
+            return {
+                "source": "router_stats",
+                "prompt_tokens": sum(w["engine"].get("prompt_tokens", 0) for w in ws),
+                "cached_tokens": sum(w["engine"].get("cached_tokens", 0) for w in ws),
+                "workers": len(ws),
+            }
         r = httpx.get(f"{base_url}/metrics", headers=headers, timeout=10)
         if r.status_code == 200:
+
             def total(name: str) -> float:
                 return sum(float(v) for v in re.findall(rf"^{name}(?:_total)?(?:{{[^}}]*}})? (\S+)$", r.text, re.M))
-            return {"source": "metrics", "prompt_tokens": total("radixserve_prompt_tokens"),
-                    "cached_tokens": total("radixserve_cached_prompt_tokens")}
+
+            return {
+                "source": "metrics",
+                "prompt_tokens": total("radixserve_prompt_tokens"),
+                "cached_tokens": total("radixserve_cached_prompt_tokens"),
+            }
     except (httpx.HTTPError, KeyError, ValueError):
         pass
     return None
 
 
 # --- summary -----------------------------------------------------------------------------------
+
 
 def pcts(xs: List[float]) -> Dict[str, float]:
     if not xs:
@@ -264,17 +300,23 @@ def summarize(results: List[Result], duration: float, before, after) -> Dict[str
     out_tokens = sum(r.output_tokens for r in ok)
     prompt_tokens = sum(r.prompt_tokens for r in ok)
     summary = {
-        "requests": len(results), "completed": len(ok), "failed": len(results) - len(ok),
+        "requests": len(results),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
-        "duration_s": duration, "request_throughput": len(ok) / duration,
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
         "output_throughput_tok_s": out_tokens / duration,
         "total_throughput_tok_s": (out_tokens + prompt_tokens) / duration,
-        "prompt_tokens": prompt_tokens, "output_tokens": out_tokens,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": out_tokens,
         "ttft_ms": {k: v * 1e3 for k, v in pcts([r.ttft for r in ok]).items()},
         "itl_ms": {k: v * 1e3 for k, v in pcts([x for r in ok for x in r.itl]).items()},
         "e2e_ms": {k: v * 1e3 for k, v in pcts([r.e2e for r in ok]).items()},
-        "tpot_ms": {k: v * 1e3 for k, v in pcts([(r.e2e - r.ttft) / (r.output_tokens - 1)
-                                                 for r in ok if r.output_tokens > 1]).items()},
+        "tpot_ms": {
+            k: v * 1e3
+            for k, v in pcts([(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]).items()
+        },
         "events_per_output_token": (sum(len(r.pieces) for r in ok) / out_tokens) if out_tokens else 0.0,
         "client_cache_hit_rate": (sum(r.cached_tokens for r in ok) / prompt_tokens) if prompt_tokens else 0.0,
     }
@@ -292,15 +334,20 @@ def print_table(summary: Dict[str, Any]) -> None:
     print(f"{'output throughput':<28}{summary['output_throughput_tok_s']:.1f} tok/s")
     print(f"{'total throughput':<28}{summary['total_throughput_tok_s']:.1f} tok/s")
     print(f"{'':<28}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
-    for key, label in (("ttft_ms", "TTFT (ms)"), ("itl_ms", "ITL (ms)"), ("tpot_ms", "TPOT (ms)"),
-                       ("e2e_ms", "E2E (ms)")):
+    for key, label in (
+        ("ttft_ms", "TTFT (ms)"),
+        ("itl_ms", "ITL (ms)"),
+        ("tpot_ms", "TPOT (ms)"),
+        ("e2e_ms", "E2E (ms)"),
+    ):
         v = summary[key]
         print(f"{label:<28}{v['mean']:>10.1f}{v['p50']:>10.1f}{v['p90']:>10.1f}{v['p99']:>10.1f}")
     print(f"{'stream events / token':<28}{summary['events_per_output_token']:.3f}")
     print(f"{'cache hit rate (client)':<28}{summary['client_cache_hit_rate']:.3f}")
     if "server_cache_hit_rate" in summary:
-        print(f"{'cache hit rate (server)':<28}{summary['server_cache_hit_rate']:.3f} "
-              f"({summary['server_cache_source']})")
+        print(
+            f"{'cache hit rate (server)':<28}{summary['server_cache_hit_rate']:.3f} ({summary['server_cache_source']})"
+        )
     for e in summary["errors"]:
         print("error:", e)
 
@@ -316,8 +363,9 @@ def plot(results: List[Result], path: str, title: str) -> Optional[str]:
         return None
     ok = [r for r in results if r.ok]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    for ax, (name, xs) in zip(axes, (("TTFT", [r.ttft for r in ok]), ("ITL", [x for r in ok for x in r.itl]),
-                                     ("E2E", [r.e2e for r in ok]))):
+    for ax, (name, xs) in zip(
+        axes, (("TTFT", [r.ttft for r in ok]), ("ITL", [x for r in ok for x in r.itl]), ("E2E", [r.e2e for r in ok]))
+    ):
         s = sorted(x * 1e3 for x in xs)
         ax.plot(s, [(i + 1) / len(s) for i in range(len(s))] if s else [])
         ax.set_xlabel(f"{name} (ms)")
@@ -347,10 +395,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-conversations", type=int, default=8, help="multi-turn: conversations.")
     p.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per conversation.")
     p.add_argument("--output-len", type=int, default=32, help="max_tokens of every request.")
-    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                   help="Send ignore_eos so every output has --output-len tokens (radixserve, vLLM, SGLang).")
+    p.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Send ignore_eos so every output has --output-len tokens (radixserve, vLLM, SGLang).",
+    )
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrival rate (req/s); inf: all at once.")
+    p.add_argument(
+        "--request-rate", type=float, default=math.inf, help="Poisson arrival rate (req/s); inf: all at once."
+    )
     p.add_argument("--max-concurrency", type=int, default=None, help="Max requests in flight.")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
@@ -372,10 +426,16 @@ def main(argv: Optional[List[str]] = None) -> None:
     os.makedirs(RESULTS, exist_ok=True)
     out = args.out or os.path.join(RESULTS, f"serving_{args.dataset}.json")
     client_host = {"python": platform.python_version(), "cpu_count": os.cpu_count(), "machine": platform.machine()}
-    record = {"args": {k: (None if v == math.inf else v) for k, v in vars(args).items() if k != "api_key"},
-              "client_host": client_host, "summary": summary, "server_cache_before": before,
-              "server_cache_after": after,
-              "requests": [{k: v for k, v in asdict(r).items() if k not in ("text", "itl", "pieces", "start", "last")} for r in results]}
+    record = {
+        "args": {k: (None if v == math.inf else v) for k, v in vars(args).items() if k != "api_key"},
+        "client_host": client_host,
+        "summary": summary,
+        "server_cache_before": before,
+        "server_cache_after": after,
+        "requests": [
+            {k: v for k, v in asdict(r).items() if k not in ("text", "itl", "pieces", "start", "last")} for r in results
+        ],
+    }
     with open(out, "w") as f:
         json.dump(record, f, indent=1)
     print(f"wrote {out}")

@@ -21,6 +21,7 @@ AdminError keeps its HTTP status (404 unknown pool or replica, 409 conflicts, 40
 `PoolMetrics` exports the same figures at /metrics, labelled by pool (and replica), refreshed by a
 small ASGI middleware before each /metrics scrape.
 """
+
 import asyncio
 import hmac
 import pathlib
@@ -33,15 +34,19 @@ from ray.exceptions import RayTaskError
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from cluster.scaling_models import (AdminError, ClusterPools, DrainRequest, PoolStatus, ReplicaStatus,
-                                    ScaleRequest)
+from cluster.scaling_models import AdminError, ClusterPools, DrainRequest, PoolStatus, ReplicaStatus, ScaleRequest
 from serving.errors import APIError
 
 DASHBOARD_DIR = pathlib.Path(__file__).parent / "dashboard"
-_FILES = {"index.html": "text/html; charset=utf-8", "app.js": "text/javascript; charset=utf-8",
-          "style.css": "text/css; charset=utf-8"}
-_CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
-        "frame-ancestors 'none'")
+_FILES = {
+    "index.html": "text/html; charset=utf-8",
+    "app.js": "text/javascript; charset=utf-8",
+    "style.css": "text/css; charset=utf-8",
+}
+_CSP = (
+    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+    "frame-ancestors 'none'"
+)
 _RPC_TIMEOUT_S = 30.0
 
 
@@ -53,8 +58,9 @@ def admin_key_check(admin_api_key: Optional[str]):
         given = (authorization or "").encode()
         if expected is None or not hmac.compare_digest(given, expected):
             why = "no admin_api_key is configured" if expected is None else "invalid or missing admin key"
-            raise HTTPException(401, f"{why} (send Authorization: Bearer <admin_api_key>)",
-                                headers={"WWW-Authenticate": "Bearer"})
+            raise HTTPException(
+                401, f"{why} (send Authorization: Bearer <admin_api_key>)", headers={"WWW-Authenticate": "Bearer"}
+            )
 
     return check
 
@@ -135,34 +141,48 @@ class PoolMetrics:
     def collect(self):
         pools = self.last.pools if self.last is not None else []
         labels = ["model_name", "pool"]
-        gauges = (("target_replicas", "radixserve_pool_target_replicas", "Pool size the control loop wants."),
-                  ("ready_replicas", "radixserve_pool_ready_replicas", "Replicas the router hears from."),
-                  ("min_replicas", "radixserve_pool_min_replicas", "Autoscaling lower bound."),
-                  ("max_replicas", "radixserve_pool_max_replicas", "Autoscaling upper bound."),
-                  ("waiting", "radixserve_pool_num_requests_waiting", "Requests waiting in the pool's engines."),
-                  ("running", "radixserve_pool_num_requests_running", "Requests running in the pool's engines."),
-                  ("kv_usage", "radixserve_pool_kv_cache_usage_ratio", "Mean KV pool share in use."),
-                  ("cache_hit_rate", "radixserve_pool_prefix_cache_hit_rate", "Cached / prompt tokens."),
-                  ("tokens_per_s", "radixserve_pool_generation_tokens_per_second", "Tokens generated per second."))
+        gauges = (
+            ("target_replicas", "radixserve_pool_target_replicas", "Pool size the control loop wants."),
+            ("ready_replicas", "radixserve_pool_ready_replicas", "Replicas the router hears from."),
+            ("min_replicas", "radixserve_pool_min_replicas", "Autoscaling lower bound."),
+            ("max_replicas", "radixserve_pool_max_replicas", "Autoscaling upper bound."),
+            ("waiting", "radixserve_pool_num_requests_waiting", "Requests waiting in the pool's engines."),
+            ("running", "radixserve_pool_num_requests_running", "Requests running in the pool's engines."),
+            ("kv_usage", "radixserve_pool_kv_cache_usage_ratio", "Mean KV pool share in use."),
+            ("cache_hit_rate", "radixserve_pool_prefix_cache_hit_rate", "Cached / prompt tokens."),
+            ("tokens_per_s", "radixserve_pool_generation_tokens_per_second", "Tokens generated per second."),
+        )
         for key, name, doc in gauges:
             g = GaugeMetricFamily(name, doc, labels=labels)
             for p in pools:
                 g.add_metric([self.model_name, p.name], float(getattr(p, key)))
             yield g
-        auto = GaugeMetricFamily("radixserve_pool_autoscaling", "1 when the pool autoscales, 0 when fixed.",
-                                 labels=labels)
-        state = GaugeMetricFamily("radixserve_replica_state", "1 for the replica's current state.",
-                                  labels=["model_name", "pool", "replica", "state"])
+        auto = GaugeMetricFamily(
+            "radixserve_pool_autoscaling", "1 when the pool autoscales, 0 when fixed.", labels=labels
+        )
+        state = GaugeMetricFamily(
+            "radixserve_replica_state",
+            "1 for the replica's current state.",
+            labels=["model_name", "pool", "replica", "state"],
+        )
         for p in pools:
             auto.add_metric([self.model_name, p.name], 1.0 if p.mode == "autoscaling" else 0.0)
             for r in p.replicas:
                 state.add_metric([self.model_name, p.name, r.replica_id, r.state], 1.0)
         yield auto
         yield state
-        for attr, name, doc in (("ttft_histogram", "radixserve_pool_time_to_first_token_seconds",
-                                 "Time to first token, by the pool that computed the prompt."),
-                                ("itl_histogram", "radixserve_pool_inter_token_latency_seconds",
-                                 "Mean inter-token latency of each request, by the pool that decoded it.")):
+        for attr, name, doc in (
+            (
+                "ttft_histogram",
+                "radixserve_pool_time_to_first_token_seconds",
+                "Time to first token, by the pool that computed the prompt.",
+            ),
+            (
+                "itl_histogram",
+                "radixserve_pool_inter_token_latency_seconds",
+                "Mean inter-token latency of each request, by the pool that decoded it.",
+            ),
+        ):
             h = HistogramMetricFamily(name, doc, labels=labels)
             for p in pools:
                 view = getattr(p, attr)

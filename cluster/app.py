@@ -21,6 +21,7 @@ Deployments (one application):
 No `from __future__ import annotations` in this module: Serve validates the builder's argument
 with the annotated pydantic model only when the annotation is a real class (docs/design.md).
 """
+
 import logging
 import os
 
@@ -63,8 +64,7 @@ def _cpus_per_worker(args) -> float:
     ingress's and the router's) cannot give every initial replica one."""
     if args.num_cpus is not None:
         return args.num_cpus
-    spare = (_cluster_resources().get("CPU", 0.0) - args.ingress_replicas * args.ingress_num_cpus
-             - args.router_num_cpus)
+    spare = _cluster_resources().get("CPU", 0.0) - args.ingress_replicas * args.ingress_num_cpus - args.router_num_cpus
     share = spare / sum(args.pool_sizes().values())
     return max(0.05, min(1.0, int(share * 20) / 20))  # multiples of 0.05 CPU
 
@@ -72,11 +72,16 @@ def _cpus_per_worker(args) -> float:
 def _pool_deployment(cls, name: str, pool: str, args: ClusterArgs, num_gpus: float, scaling):
     """A worker pool's Serve deployment: pinned routing, health checks, its own (auto)scaling."""
     return serve.deployment(cls).options(
-        name=name, **deployment_options(scaling, pool), max_ongoing_requests=args.max_ongoing_requests,
+        name=name,
+        **deployment_options(scaling, pool),
+        max_ongoing_requests=args.max_ongoing_requests,
         ray_actor_options={"num_cpus": _cpus_per_worker(args), "num_gpus": num_gpus},
         request_router_config=RequestRouterConfig(request_router_class=PINNED_ROUTER),
-        health_check_period_s=args.health_check_period_s, health_check_timeout_s=60,
-        graceful_shutdown_timeout_s=5, logging_config={"enable_access_log": args.worker_access_log})
+        health_check_period_s=args.health_check_period_s,
+        health_check_timeout_s=60,
+        graceful_shutdown_timeout_s=5,
+        logging_config={"enable_access_log": args.worker_access_log},
+    )
 
 
 def _check_transfer(args: ClusterArgs, num_gpus: float) -> None:
@@ -92,28 +97,63 @@ def deployment(args: ClusterArgs) -> Application:
     scaling = scaling_config(args)  # pool sizes: the router's PoolScaler, followed by Serve (scaling_policy.py)
     if args.mode == "unified":
         worker = _pool_deployment(Worker, "Worker", "unified", args, num_gpus, scaling).bind(
-            args.model, args.engine_options())
+            args.model, args.engine_options()
+        )
         pools = {"unified": worker}
     else:
         _check_transfer(args, num_gpus)
         prefill = _pool_deployment(PrefillWorker, "Prefill", "prefill", args, num_gpus, scaling).bind(
-            args.model, args.engine_options(), args.kv_transfer, args.kv_transfer_timeout_s)
+            args.model, args.engine_options(), args.kv_transfer, args.kv_transfer_timeout_s
+        )
         worker = _pool_deployment(DecodeWorker, "Decode", "decode", args, num_gpus, scaling).bind(
-            args.model, args.engine_options(), prefill, args.kv_transfer, args.kv_transfer_timeout_s)
+            args.model, args.engine_options(), prefill, args.kv_transfer, args.kv_transfer_timeout_s
+        )
         pools = {"prefill": prefill, "decode": worker}
-    router_config = dict(cache_threshold=args.cache_threshold, balance_abs_threshold=args.balance_abs_threshold,
-                         balance_rel_threshold=args.balance_rel_threshold, max_tree_tokens=args.max_tree_tokens,
-                         page_size=args.page_size, prefix_hash_tokens=args.prefix_hash_tokens)
-    router = serve.deployment(RouterDeployment).options(
-        name="Router", num_replicas=1, max_ongoing_requests=4096,
-        ray_actor_options={"num_cpus": args.router_num_cpus},
-    ).bind(pools, args.policy, router_config, args.report_interval_s, scaling=scaling)
-    ingress = serve.deployment(Ingress).options(
-        name="Ingress", num_replicas=args.ingress_replicas, max_ongoing_requests=args.ingress_max_ongoing_requests,
-        ray_actor_options={"num_cpus": args.ingress_num_cpus},
-    ).bind(router, worker, args.model, args.model_name(), args.api_key, args.max_body_bytes,
-           admin_api_key=args.admin_api_key, mode=args.mode, tokenizer_source=args.tokenizer,
-           prefill=pools.get("prefill") if args.early_prefill else None)
-    logger.info("radixserve: %s mode, pools %s of %s, policy %s, %.2g GPU(s) per worker", args.mode,
-                args.pool_sizes(), args.model_name(), args.policy, num_gpus)
+    router_config = dict(
+        cache_threshold=args.cache_threshold,
+        balance_abs_threshold=args.balance_abs_threshold,
+        balance_rel_threshold=args.balance_rel_threshold,
+        max_tree_tokens=args.max_tree_tokens,
+        page_size=args.page_size,
+        prefix_hash_tokens=args.prefix_hash_tokens,
+    )
+    router = (
+        serve.deployment(RouterDeployment)
+        .options(
+            name="Router",
+            num_replicas=1,
+            max_ongoing_requests=4096,
+            ray_actor_options={"num_cpus": args.router_num_cpus},
+        )
+        .bind(pools, args.policy, router_config, args.report_interval_s, scaling=scaling)
+    )
+    ingress = (
+        serve.deployment(Ingress)
+        .options(
+            name="Ingress",
+            num_replicas=args.ingress_replicas,
+            max_ongoing_requests=args.ingress_max_ongoing_requests,
+            ray_actor_options={"num_cpus": args.ingress_num_cpus},
+        )
+        .bind(
+            router,
+            worker,
+            args.model,
+            args.model_name(),
+            args.api_key,
+            args.max_body_bytes,
+            admin_api_key=args.admin_api_key,
+            mode=args.mode,
+            tokenizer_source=args.tokenizer,
+            prefill=pools.get("prefill") if args.early_prefill else None,
+        )
+    )
+    logger.info(
+        "radixserve: %s mode, pools %s of %s, policy %s, %.2g GPU(s) per worker",
+        args.mode,
+        args.pool_sizes(),
+        args.model_name(),
+        args.policy,
+        num_gpus,
+    )
     return ingress

@@ -12,6 +12,7 @@ its Engine from `engine_options()`. `enable_cache_events` is always on (the rout
 No `from __future__ import annotations` here: Serve applies the builder's pydantic annotation only
 when it is a real class (docs/design.md).
 """
+
 import dataclasses
 import json
 import os
@@ -34,27 +35,38 @@ class PoolAutoscaling(BaseModel):
     """Autoscaling of one worker pool. The pool's replica count (`workers`, `prefill_workers` or
     `decode_workers`) is then the initial count; the cluster's control loop keeps the pool within
     [min_replicas, max_replicas], driven by the LLM signals below."""
+
     model_config = ConfigDict(extra="forbid")
 
     min_replicas: int = Field(1, ge=1, description="Fewest replicas of the pool.")
     max_replicas: int = Field(4, ge=1, description="Most replicas of the pool.")
-    target_waiting_per_replica: float = Field(4.0, gt=0.0, description="Scale up when the pool's waiting "
-                                              "requests per replica exceed this.")
-    target_kv_usage: float = Field(0.8, gt=0.0, le=1.0, description="Scale up when the pool's mean KV-cache "
-                                   "usage exceeds this share.")
-    ttft_target_ms: Optional[float] = Field(None, gt=0.0, description="Scale up when the pool's recent p90 "
-                                            "time to first token exceeds this (prefill and unified pools).")
-    itl_target_ms: Optional[float] = Field(None, gt=0.0, description="Scale up when the pool's recent p90 "
-                                           "inter-token latency exceeds this (decode and unified pools).")
+    target_waiting_per_replica: float = Field(
+        4.0, gt=0.0, description="Scale up when the pool's waiting requests per replica exceed this."
+    )
+    target_kv_usage: float = Field(
+        0.8, gt=0.0, le=1.0, description="Scale up when the pool's mean KV-cache usage exceeds this share."
+    )
+    ttft_target_ms: Optional[float] = Field(
+        None,
+        gt=0.0,
+        description="Scale up when the pool's recent p90 time to first token exceeds this (prefill and unified pools).",
+    )
+    itl_target_ms: Optional[float] = Field(
+        None,
+        gt=0.0,
+        description="Scale up when the pool's recent p90 inter-token latency exceeds this (decode and unified pools).",
+    )
     upscale_delay_s: float = Field(5.0, ge=0.0, description="A scale-up signal must hold this long first.")
-    downscale_delay_s: float = Field(30.0, ge=0.0, description="The pool must be idle enough this long "
-                                     "before one replica is removed.")
+    downscale_delay_s: float = Field(
+        30.0, ge=0.0, description="The pool must be idle enough this long before one replica is removed."
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> "PoolAutoscaling":
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
         return self
+
 
 _NOT_EXPOSED = {"model", "enable_cache_events", "skip_tokenizer_init", "detokenize"}
 """EngineConfig fields set by the cluster itself: workers stream token ids (detokenize=False; the ingress
@@ -64,67 +76,128 @@ makes the text) and keep their tokenizer for structured output."""
 class _ClusterFields(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    model: Optional[str] = Field(None, description="Hugging Face folder or .gguf file, readable on every worker "
-                                                   "node; default: SmolLM2-135M-Instruct.")
-    served_model_name: Optional[str] = Field(None, description="Model name clients send in requests; default: "
-                                                               "derived from `model`.")
-    mode: Mode = Field("unified", description="unified: every worker prefills and decodes; disaggregated: "
-                       "a prefill pool hands each prompt's KV cache to a decode pool.")
+    model: Optional[str] = Field(
+        None,
+        description="Hugging Face folder or .gguf file, readable on every worker node; default: SmolLM2-135M-Instruct.",
+    )
+    served_model_name: Optional[str] = Field(
+        None, description="Model name clients send in requests; default: derived from `model`."
+    )
+    mode: Mode = Field(
+        "unified",
+        description="unified: every worker prefills and decodes; disaggregated: "
+        "a prefill pool hands each prompt's KV cache to a decode pool.",
+    )
     workers: int = Field(1, ge=1, description="Replicas in the unified worker pool (one engine each).")
     prefill_workers: int = Field(1, ge=1, description="disaggregated: replicas in the prefill pool.")
     decode_workers: int = Field(1, ge=1, description="disaggregated: replicas in the decode pool.")
-    kv_transfer: KVTransferName = Field("nixl", description="disaggregated: how KV pages move from prefill to "
-                                        "decode replicas: nixl (UCX; GPU or host memory) or nccl (GPUs only).")
-    kv_transfer_timeout_s: float = Field(30.0, gt=0.0, description="disaggregated: a KV transfer not done "
-                                         "in this time once its prompt is computed fails; pages are freed on both "
-                                         "sides (the prompt's wait in the prefill queue is not counted).")
-    early_prefill: bool = Field(True, description="disaggregated: the ingress starts each prompt on its prefill "
-                                "replica when the request arrives, while the decode replica reserves pages for "
-                                "it; off: the decode replica starts it once its pages are reserved.")
-    autoscaling: Optional[PoolAutoscaling] = Field(None, description="Autoscaling of the unified pool (JSON "
-                                                   "object on the command line); off when unset.")
-    prefill_autoscaling: Optional[PoolAutoscaling] = Field(None, description="Autoscaling of the prefill pool; "
-                                                           "off when unset.")
-    decode_autoscaling: Optional[PoolAutoscaling] = Field(None, description="Autoscaling of the decode pool; "
-                                                          "off when unset.")
-    policy: PolicyName = Field("cache_aware", description="Router policy: cache_aware (SGLang's), round_robin, "
-                                                          "power_of_two, random, prefix_hash.")
-    cache_threshold: float = Field(0.5, ge=0.0, le=1.0, description="cache_aware: route to the best-matching worker "
-                                   "when matched / prompt tokens exceeds this, else to the least loaded.")
-    balance_abs_threshold: float = Field(32.0, ge=0.0, description="cache_aware: the cluster is imbalanced when "
-                                         "max load - min load exceeds this (and the relative test holds).")
-    balance_rel_threshold: float = Field(1.0001, ge=1.0, description="cache_aware: the cluster is imbalanced when "
-                                         "max load > this * min load (and the absolute test holds).")
-    max_tree_tokens: Optional[int] = Field(1 << 20, ge=1, description="Size cap, in tokens, of the router's "
-                                           "approximate tree of each worker.")
+    kv_transfer: KVTransferName = Field(
+        "nixl",
+        description="disaggregated: how KV pages move from prefill to "
+        "decode replicas: nixl (UCX; GPU or host memory) or nccl (GPUs only).",
+    )
+    kv_transfer_timeout_s: float = Field(
+        30.0,
+        gt=0.0,
+        description="disaggregated: a KV transfer not done "
+        "in this time once its prompt is computed fails; pages are freed on both "
+        "sides (the prompt's wait in the prefill queue is not counted).",
+    )
+    early_prefill: bool = Field(
+        True,
+        description="disaggregated: the ingress starts each prompt on its prefill "
+        "replica when the request arrives, while the decode replica reserves pages for "
+        "it; off: the decode replica starts it once its pages are reserved.",
+    )
+    autoscaling: Optional[PoolAutoscaling] = Field(
+        None, description="Autoscaling of the unified pool (JSON object on the command line); off when unset."
+    )
+    prefill_autoscaling: Optional[PoolAutoscaling] = Field(
+        None, description="Autoscaling of the prefill pool; off when unset."
+    )
+    decode_autoscaling: Optional[PoolAutoscaling] = Field(
+        None, description="Autoscaling of the decode pool; off when unset."
+    )
+    policy: PolicyName = Field(
+        "cache_aware",
+        description="Router policy: cache_aware (SGLang's), round_robin, power_of_two, random, prefix_hash.",
+    )
+    cache_threshold: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="cache_aware: route to the best-matching worker "
+        "when matched / prompt tokens exceeds this, else to the least loaded.",
+    )
+    balance_abs_threshold: float = Field(
+        32.0,
+        ge=0.0,
+        description="cache_aware: the cluster is imbalanced when "
+        "max load - min load exceeds this (and the relative test holds).",
+    )
+    balance_rel_threshold: float = Field(
+        1.0001,
+        ge=1.0,
+        description="cache_aware: the cluster is imbalanced when "
+        "max load > this * min load (and the absolute test holds).",
+    )
+    max_tree_tokens: Optional[int] = Field(
+        1 << 20, ge=1, description="Size cap, in tokens, of the router's approximate tree of each worker."
+    )
     prefix_hash_tokens: int = Field(256, ge=1, description="prefix_hash: leading tokens that pick the worker.")
-    report_interval_s: float = Field(0.5, gt=0.0, le=10.0, description="How often the router polls each worker "
-                                     "for queue length, KV usage and cache events.")
-    num_cpus: Optional[float] = Field(None, ge=0.0, description="CPUs reserved per worker replica (fractions "
-                                      "allowed); default: 1, or an equal share of the Ray cluster's CPUs left by "
-                                      "the ingress and the router when that is less (so the default pools start "
-                                      "on a small machine).")
-    num_gpus: Optional[float] = Field(None, ge=0.0, description="GPUs per worker replica; default: 1 when the Ray "
-                                      "cluster has GPUs, else 0.")
-    ingress_replicas: int = Field(1, ge=1, description="Replicas of the HTTP ingress (stateless; the router "
-                                  "deployment holds the routing state).")
+    report_interval_s: float = Field(
+        0.5,
+        gt=0.0,
+        le=10.0,
+        description="How often the router polls each worker for queue length, KV usage and cache events.",
+    )
+    num_cpus: Optional[float] = Field(
+        None,
+        ge=0.0,
+        description="CPUs reserved per worker replica (fractions "
+        "allowed); default: 1, or an equal share of the Ray cluster's CPUs left by "
+        "the ingress and the router when that is less (so the default pools start "
+        "on a small machine).",
+    )
+    num_gpus: Optional[float] = Field(
+        None, ge=0.0, description="GPUs per worker replica; default: 1 when the Ray cluster has GPUs, else 0."
+    )
+    ingress_replicas: int = Field(
+        1, ge=1, description="Replicas of the HTTP ingress (stateless; the router deployment holds the routing state)."
+    )
     ingress_num_cpus: float = Field(0.25, ge=0.0, description="CPUs reserved per ingress replica.")
     router_num_cpus: float = Field(0.1, ge=0.0, description="CPUs reserved by the router replica.")
-    max_ongoing_requests: int = Field(1024, ge=1, description="Concurrent requests one worker replica accepts "
-                                      "(keep it high: the engine queues and batches).")
-    ingress_max_ongoing_requests: int = Field(512, ge=1, description="Concurrent HTTP requests one ingress "
-                                              "replica accepts before Serve queues them.")
-    api_key: Optional[str] = Field(None, description="When set, /v1/* and /generate need 'Authorization: Bearer "
-                                   "<api_key>'. Default: $RADIXSERVE_API_KEY when set.")
-    admin_api_key: Optional[str] = Field(None, description="Key of the admin API (/admin/*) and the dashboard "
-                                         "(/dashboard): 'Authorization: Bearer <admin_api_key>'. Must differ from "
-                                         "api_key. Default: $RADIXSERVE_ADMIN_KEY when set; unset: admin "
-                                         "routes answer 401.")
+    max_ongoing_requests: int = Field(
+        1024,
+        ge=1,
+        description="Concurrent requests one worker replica accepts (keep it high: the engine queues and batches).",
+    )
+    ingress_max_ongoing_requests: int = Field(
+        512, ge=1, description="Concurrent HTTP requests one ingress replica accepts before Serve queues them."
+    )
+    api_key: Optional[str] = Field(
+        None,
+        description="When set, /v1/* and /generate need 'Authorization: Bearer "
+        "<api_key>'. Default: $RADIXSERVE_API_KEY when set.",
+    )
+    admin_api_key: Optional[str] = Field(
+        None,
+        description="Key of the admin API (/admin/*) and the dashboard "
+        "(/dashboard): 'Authorization: Bearer <admin_api_key>'. Must differ from "
+        "api_key. Default: $RADIXSERVE_ADMIN_KEY when set; unset: admin "
+        "routes answer 401.",
+    )
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Request bodies larger than this get a 413.")
-    worker_access_log: bool = Field(False, description="Log every call to a worker replica (generate, and the "
-                                    "router's report polls several times a second).")
-    health_check_period_s: float = Field(2.0, gt=0.0, description="How often Serve checks each worker's health "
-                                         "(a dead worker is replaced after a failed check).")
+    worker_access_log: bool = Field(
+        False,
+        description="Log every call to a worker replica (generate, and the "
+        "router's report polls several times a second).",
+    )
+    health_check_period_s: float = Field(
+        2.0,
+        gt=0.0,
+        description="How often Serve checks each worker's health (a dead worker is replaced after a failed check).",
+    )
 
 
 def _engine_fields() -> Dict[str, Any]:
@@ -146,8 +219,15 @@ ENGINE_OPTIONS = tuple(_engine_fields())
 
 
 _UNIFIED_ONLY = ("workers", "autoscaling")
-_DISAGGREGATED_ONLY = ("prefill_workers", "decode_workers", "kv_transfer", "kv_transfer_timeout_s",
-                       "early_prefill", "prefill_autoscaling", "decode_autoscaling")
+_DISAGGREGATED_ONLY = (
+    "prefill_workers",
+    "decode_workers",
+    "kv_transfer",
+    "kv_transfer_timeout_s",
+    "early_prefill",
+    "prefill_autoscaling",
+    "decode_autoscaling",
+)
 
 
 KEY_ENV_VARS = {"api_key": "RADIXSERVE_API_KEY", "admin_api_key": "RADIXSERVE_ADMIN_KEY"}
@@ -184,8 +264,10 @@ class _Validated(_ClusterFields):
         if given:
             raise ValueError(f"{', '.join(given)} not used with mode={self.mode}")
         if self.mode == "disaggregated" and "core_process" in self.model_fields_set and self.core_process:
-            raise ValueError("core_process is not supported with mode=disaggregated yet: the KV transfer "
-                             "registers the engine's KV pool from the worker's own process")
+            raise ValueError(
+                "core_process is not supported with mode=disaggregated yet: the KV transfer "
+                "registers the engine's KV pool from the worker's own process"
+            )
         if self.admin_api_key is not None and self.admin_api_key == self.api_key:
             raise ValueError("admin_api_key must differ from api_key")
         return self
@@ -197,8 +279,9 @@ class _Validated(_ClusterFields):
         return {"prefill": self.prefill_workers, "decode": self.decode_workers}
 
     def pool_autoscaling(self, pool: str) -> Optional[PoolAutoscaling]:
-        return {"unified": self.autoscaling, "prefill": self.prefill_autoscaling,
-                "decode": self.decode_autoscaling}[pool]
+        return {"unified": self.autoscaling, "prefill": self.prefill_autoscaling, "decode": self.decode_autoscaling}[
+            pool
+        ]
 
     @model_validator(mode="after")
     def _check_engine(self) -> "_Validated":
@@ -207,6 +290,7 @@ class _Validated(_ClusterFields):
         except InvalidConfigError as exc:
             raise ValueError(f"invalid engine option: {exc}") from None
         from engine.models.source import resolve_model  # file checks only, no weights read
+
         for name in ("model", "tokenizer"):
             if getattr(self, name) is not None:
                 try:
@@ -226,8 +310,10 @@ class _Validated(_ClusterFields):
         if self.served_model_name:
             return self.served_model_name
         from serving.__main__ import default_model_name
+
         return default_model_name(self.model)
 
 
-ClusterArgs = create_model("ClusterArgs", __base__=_Validated, __doc__=__doc__.split("\n\n")[0],
-                           __module__=__name__, **_engine_fields())
+ClusterArgs = create_model(
+    "ClusterArgs", __base__=_Validated, __doc__=__doc__.split("\n\n")[0], __module__=__name__, **_engine_fields()
+)

@@ -36,6 +36,7 @@ A failure before any token reached the client (prefill replica death, decode rep
 transfer failure or timeout) is retried on a new pair, up to MAX_ATTEMPTS; dead replicas are
 reported to the router first so that the new pair avoids them. Later failures reach the client.
 """
+
 import asyncio
 import dataclasses
 import logging
@@ -80,6 +81,7 @@ class PrefillFailedError(RuntimeError):
 @dataclass(frozen=True)
 class TransferTarget:
     """Decode side → prefill side: where and how to write the prompt's KV."""
+
     replica_id: str
     """The prefill replica the decode side expects to write (refused by any other)."""
     peer: PeerInfo
@@ -96,6 +98,7 @@ class TransferTarget:
 @dataclass(frozen=True)
 class PrefillResult:
     """Prefill side → decode side: the engine's PrefillHandoff and where the prefill call's time went."""
+
     handoff: Any
     """engine.scheduler.handoff.PrefillHandoff (first token, logprobs)."""
     compute_s: float
@@ -110,9 +113,18 @@ class PrefillResult:
     accuracy across hosts)."""
 
 
-HANDOFF_COUNTERS = ("handoff_requests", "handoff_notified", "handoff_reserve_s", "handoff_ready_s",
-                    "handoff_calls", "handoff_call_s", "handoff_prefill_compute_s", "handoff_prefill_transfer_s",
-                    "handoff_call_out_s", "handoff_call_back_s")
+HANDOFF_COUNTERS = (
+    "handoff_requests",
+    "handoff_notified",
+    "handoff_reserve_s",
+    "handoff_ready_s",
+    "handoff_calls",
+    "handoff_call_s",
+    "handoff_prefill_compute_s",
+    "handoff_prefill_transfer_s",
+    "handoff_call_out_s",
+    "handoff_call_back_s",
+)
 """Decode replicas' handoff counters (sums, in the stats they report). Per successful handoff
 (handoff_requests): request arrival → pages reserved (reserve); prefill call made → first token and KV
 here (ready: the critical path; handoff_notified counts those that went on when the KV's completion
@@ -141,8 +153,9 @@ class _KVEndpoint:
     def _init_transfer(self, role: str, backend: str, timeout_s: float) -> None:
         runner = self.engine.runner
         self.transfer_timeout_s = timeout_s
-        self.transfer = make_backend(backend, f"{role}-{self.replica_id}", kv_pool_buffers(runner.kv_pool),
-                                     self.engine.config.page_size)
+        self.transfer = make_backend(
+            backend, f"{role}-{self.replica_id}", kv_pool_buffers(runner.kv_pool), self.engine.config.page_size
+        )
 
     async def kv_info(self) -> PeerInfo:
         """This replica's transfer endpoint (PeerInfo)."""
@@ -152,8 +165,9 @@ class _KVEndpoint:
 class PrefillWorker(_KVEndpoint, WorkerBase):
     """A replica of the prefill pool: computes prompts and writes their KV into decode replicas."""
 
-    async def __init__(self, model: Optional[str], engine_options: Dict[str, Any], kv_transfer: str,
-                       transfer_timeout_s: float):
+    async def __init__(
+        self, model: Optional[str], engine_options: Dict[str, Any], kv_transfer: str, transfer_timeout_s: float
+    ):
         WorkerBase.__init__(self, model, engine_options)
         self._init_transfer("prefill", kv_transfer, transfer_timeout_s)
         self.started = StartedPrompts(self.engine, self.engine.runner.kv_pool.num_slots // 2, transfer_timeout_s)
@@ -178,8 +192,9 @@ class PrefillWorker(_KVEndpoint, WorkerBase):
         PrefillHandoff (first token and logprobs). The hold on this replica's pages is released whatever
         happens."""
         if target.replica_id != self.replica_id:
-            raise WrongReplicaError(f"prefill for {rid} was meant for replica {target.replica_id}, "
-                                    f"reached {self.replica_id}")
+            raise WrongReplicaError(
+                f"prefill for {rid} was meant for replica {target.replica_id}, reached {self.replica_id}"
+            )
         entered_at = time.time()
         self._served.append(rid)
         self.transfer.connect(target.peer)
@@ -196,8 +211,14 @@ class PrefillWorker(_KVEndpoint, WorkerBase):
             src = handoff.pages_from(target.prefix_len)
             # src_ready: the first token is on the host, so the kernels that wrote these pages are done (a CUDA
             # event on this thread's stream would also wait for whatever the engine queued since).
-            handle = self.transfer.write(target.peer.name, src, target.dst_pages, target.transfer_id,
-                                         message=handoff_message(handoff), src_ready=True)
+            handle = self.transfer.write(
+                target.peer.name,
+                src,
+                target.dst_pages,
+                target.transfer_id,
+                message=handoff_message(handoff),
+                src_ready=True,
+            )
             await self.transfer.wait(handle, self.transfer_timeout_s)
         finally:
             self.engine.release_handoff(engine_rid)
@@ -207,8 +228,9 @@ class PrefillWorker(_KVEndpoint, WorkerBase):
 class DecodeWorker(_KVEndpoint, WorkerBase):
     """A replica of the decode pool: receives prompts' KV from prefill replicas and decodes."""
 
-    async def __init__(self, model: Optional[str], engine_options: Dict[str, Any], prefill, kv_transfer: str,
-                       transfer_timeout_s: float):
+    async def __init__(
+        self, model: Optional[str], engine_options: Dict[str, Any], prefill, kv_transfer: str, transfer_timeout_s: float
+    ):
         WorkerBase.__init__(self, model, engine_options)
         self._init_transfer("decode", kv_transfer, transfer_timeout_s)
         self.prefill_pool = prefill
@@ -223,8 +245,16 @@ class DecodeWorker(_KVEndpoint, WorkerBase):
     def _extra_stats(self) -> Dict[str, float]:
         return {**super()._extra_stats(), **self._handoff}
 
-    async def submit_disaggregated(self, input_ids: List[int], params: Any, rid: str, prefill_id: str,
-                                   early_key: str, ingress_id: str, replica_id: str) -> None:
+    async def submit_disaggregated(
+        self,
+        input_ids: List[int],
+        params: Any,
+        rid: str,
+        prefill_id: str,
+        early_key: str,
+        ingress_id: str,
+        replica_id: str,
+    ) -> None:
         """Start a request whose prompt prefill replica `prefill_id` computes (started there by the ingress
         under `early_key`, if not ""); its outputs go to the stream of `ingress_id` (see WorkerBase)."""
         self._check_replica(replica_id)
@@ -241,8 +271,7 @@ class DecodeWorker(_KVEndpoint, WorkerBase):
         async def pump() -> None:
             first = True
             try:
-                async for out in self.engine.generate_stream(input_ids, params, rid=rid,
-                                                             remote_prefill=remote_prefill):
+                async for out in self.engine.generate_stream(input_ids, params, rid=rid, remote_prefill=remote_prefill):
                     if first:
                         first = False
                         self._count_first_output(arrived)
@@ -268,19 +297,21 @@ class DecodeWorker(_KVEndpoint, WorkerBase):
             pump.cancel()  # generate_stream's end aborts the request (and a remote prefill in flight)
         super().abort(rid)
 
-    async def _remote_prefill(self, input_ids, params, rid: str, prefill_id: str, reservation,
-                              early_key: str) -> Any:
+    async def _remote_prefill(self, input_ids, params, rid: str, prefill_id: str, reservation, early_key: str) -> Any:
         try:
             peer = await self._prefill_peer(prefill_id)
         except Exception as exc:  # noqa: BLE001 - becomes a retryable error
-            raise PrefillFailedError(f"prefill replica {prefill_id} unreachable: {_unwrap(exc)!r}", prefill_id,
-                                     _is_dead(_unwrap(exc))) from None
+            raise PrefillFailedError(
+                f"prefill replica {prefill_id} unreachable: {_unwrap(exc)!r}", prefill_id, _is_dead(_unwrap(exc))
+            ) from None
         transfer_id = f"{rid}/{uuid.uuid4().hex[:8]}"
         handle = self.transfer.expect(peer.name, reservation.dst_pages, transfer_id)
-        target = TransferTarget(prefill_id, self.transfer.info(), reservation.prefix_len,
-                                reservation.dst_pages, transfer_id, early_key)
+        target = TransferTarget(
+            prefill_id, self.transfer.info(), reservation.prefix_len, reservation.dst_pages, transfer_id, early_key
+        )
         call = self.prefill_pool.options(session_id=prefill_id).prefill.remote(
-            input_ids, dataclasses.replace(params, seed=reservation.seed), rid, target)
+            input_ids, dataclasses.replace(params, seed=reservation.seed), rid, target
+        )
         result = asyncio.ensure_future(_awaited(call))
         called, called_at = time.perf_counter(), time.time()
         result.add_done_callback(lambda done: self._count_call(done, called, called_at))
@@ -306,8 +337,9 @@ class DecodeWorker(_KVEndpoint, WorkerBase):
             cause = _unwrap(exc)
             if _is_dead(cause):
                 self._peers.pop(prefill_id, None)
-            raise PrefillFailedError(f"remote prefill on {prefill_id} failed: {cause!r}", prefill_id,
-                                     _is_dead(cause)) from None
+            raise PrefillFailedError(
+                f"remote prefill on {prefill_id} failed: {cause!r}", prefill_id, _is_dead(cause)
+            ) from None
         self._handoff["handoff_ready_s"] += time.perf_counter() - called
         self._handoff["handoff_requests"] += 1
         return handoff
@@ -327,8 +359,10 @@ class DecodeWorker(_KVEndpoint, WorkerBase):
         # The call returned first (the writer saw its write done): the completion notice is on its way.
         done, _ = await asyncio.wait([arrival], timeout=self.transfer_timeout_s)
         if not done:
-            raise KVTransferTimeout(f"transfer {handle.transfer_id!r}: the prefill replica wrote it, but its "
-                                    f"completion notice did not come in {self.transfer_timeout_s:.3g} s")
+            raise KVTransferTimeout(
+                f"transfer {handle.transfer_id!r}: the prefill replica wrote it, but its "
+                f"completion notice did not come in {self.transfer_timeout_s:.3g} s"
+            )
         arrival.result()
         return handoff
 
@@ -337,10 +371,13 @@ class DecodeWorker(_KVEndpoint, WorkerBase):
         if result.cancelled() or result.exception() is not None:
             return
         returned, returned_at, prefilled = time.perf_counter(), time.time(), result.result()
-        for key, seconds in (("handoff_call_s", returned - called), ("handoff_prefill_compute_s", prefilled.compute_s),
-                             ("handoff_prefill_transfer_s", prefilled.transfer_s),
-                             ("handoff_call_out_s", prefilled.entered_at - called_at),
-                             ("handoff_call_back_s", returned_at - prefilled.left_at)):
+        for key, seconds in (
+            ("handoff_call_s", returned - called),
+            ("handoff_prefill_compute_s", prefilled.compute_s),
+            ("handoff_prefill_transfer_s", prefilled.transfer_s),
+            ("handoff_call_out_s", prefilled.entered_at - called_at),
+            ("handoff_call_back_s", returned_at - prefilled.left_at),
+        ):
             self._handoff[key] += seconds
         self._handoff["handoff_calls"] += 1
 
@@ -377,34 +414,47 @@ class DisaggregatedBackend(ClusterBackend):
             params = dataclasses.replace(params, seed=random.getrandbits(62))
         for attempt in range(1, MAX_ATTEMPTS + 1):
             text = OutputText(self.tokenizer, input_ids, params)
-            pair = await self._ask_router(self.router.route_pair.remote(input_ids, rid),
-                                          lambda late: self._finish_pair(late, RequestClock()))
+            pair = await self._ask_router(
+                self.router.route_pair.remote(input_ids, rid), lambda late: self._finish_pair(late, RequestClock())
+            )
             progress, clock = RequestProgress(params.n), RequestClock()
             decode_id = pair.decode.worker_id
             early_key = self._start_prefill(input_ids, params, rid, pair.prefill.worker_id, attempt)
             queue = self._open(decode_id, rid)
-            self._on_failure(self.workers.options(session_id=decode_id).submit_disaggregated.remote(
-                input_ids, params, rid, pair.prefill.worker_id, early_key, self.ingress_id, decode_id), rid, queue)
+            self._on_failure(
+                self.workers.options(session_id=decode_id).submit_disaggregated.remote(
+                    input_ids, params, rid, pair.prefill.worker_id, early_key, self.ingress_id, decode_id
+                ),
+                rid,
+                queue,
+            )
             try:
                 async for out in self._outputs(queue, text, decode_id, rid, params.n, clock, progress):
                     yield out
                 return
             except Exception as exc:  # noqa: BLE001 - retried before the first token, else raised
                 cause = _unwrap(exc)
-                retry = not progress.streamed and attempt < MAX_ATTEMPTS and (
-                    isinstance(cause, (PrefillFailedError, WrongReplicaError)) or _is_dead(cause))
+                retry = (
+                    not progress.streamed
+                    and attempt < MAX_ATTEMPTS
+                    and (isinstance(cause, (PrefillFailedError, WrongReplicaError)) or _is_dead(cause))
+                )
                 await self._report_failure(pair, cause)
                 if not retry:
                     raise cause from None
-                logger.warning("request %s: attempt %d failed before streaming (%r); retrying on a new pair",
-                               rid, attempt, cause)
+                logger.warning(
+                    "request %s: attempt %d failed before streaming (%r); retrying on a new pair", rid, attempt, cause
+                )
             finally:
                 self._close(decode_id, rid, progress)
                 self.latency.on_request(clock)
                 self._finish_pair(pair, clock)
                 if early_key and not progress.streamed:  # claimed already if a token came; else drop it now
-                    self._send(lambda: self.prefill_pool.options(session_id=pair.prefill.worker_id)
-                               .forget_prefill.remote(early_key))
+                    self._send(
+                        lambda: self.prefill_pool.options(session_id=pair.prefill.worker_id).forget_prefill.remote(
+                            early_key
+                        )
+                    )
 
     def _start_prefill(self, input_ids: List[int], params: Any, rid: str, prefill_id: str, attempt: int) -> str:
         """Start the prompt on its prefill replica (not awaited); returns the key its decode replica's
@@ -412,8 +462,11 @@ class DisaggregatedBackend(ClusterBackend):
         if self.prefill_pool is None or params.n != 1:  # n > 1 is refused by the decode replica
             return ""
         key = f"{rid}@{attempt}.{uuid.uuid4().hex[:6]}"
-        self._send(lambda: self.prefill_pool.options(session_id=prefill_id).start_prefill.remote(
-            input_ids, params, rid, key, prefill_id))
+        self._send(
+            lambda: self.prefill_pool.options(session_id=prefill_id).start_prefill.remote(
+                input_ids, params, rid, key, prefill_id
+            )
+        )
         return key
 
     async def _report_failure(self, pair: Any, cause: BaseException) -> None:
@@ -433,4 +486,3 @@ class DisaggregatedBackend(ClusterBackend):
         timing = clock.timing()  # TTFT concerns the prefill pool, ITL the decode pool: both get both
         for worker_id, pool in ((pair.prefill.worker_id, "prefill"), (pair.decode.worker_id, "decode")):
             self._send(lambda: self.router.finish.remote(worker_id, pool=pool, timing=timing))
-

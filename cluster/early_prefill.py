@@ -12,6 +12,7 @@ Invariants: a key is started at most once and claimed or dropped at most once (e
 remembered for an hour, so a late start is ignored); every started prompt is claimed or dropped, so
 its engine request always ends; started prompts never hold more than `limit_tokens` prompt tokens.
 """
+
 from __future__ import annotations
 
 import asyncio

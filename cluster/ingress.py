@@ -17,6 +17,7 @@ worker (Worker.abort), which frees its KV pages. A request whose worker left bef
 streamed is routed again (MAX_ROUTE_ATTEMPTS). Ingress replicas hold no routing state (it lives in
 the router deployment), so they scale freely.
 """
+
 import asyncio
 import contextvars
 import time
@@ -121,6 +122,7 @@ class WorkerStream:
 @dataclass
 class RequestProgress:
     """What the ingress knows of one request while it streams."""
+
     running: int
     """Choices still generating on the worker (aborted there if the request ends early)."""
     streamed: bool = False
@@ -176,8 +178,9 @@ class ClusterBackend(ServingBackend):
         """This replica's stream from `worker_id` (opened on first use)."""
         stream = self._streams.get(worker_id)
         if stream is None:
-            stream = self._streams[worker_id] = WorkerStream(workers or self.workers, worker_id, self.ingress_id,
-                                                             self._stream_ended)
+            stream = self._streams[worker_id] = WorkerStream(
+                workers or self.workers, worker_id, self.ingress_id, self._stream_ended
+            )
         return stream
 
     def _stream_ended(self, stream: WorkerStream) -> None:
@@ -187,14 +190,20 @@ class ClusterBackend(ServingBackend):
     async def generate_stream(self, input_ids: List[int], params: Any, rid: str) -> AsyncIterator[Any]:
         text = OutputText(self.tokenizer, input_ids, params)  # before routing: nothing to finish if it raises
         for attempt in range(1, MAX_ROUTE_ATTEMPTS + 1):
-            decision = await self._ask_router(self.router.route.remote(input_ids, rid),
-                                              lambda late: self._finish(late.worker_id))
+            decision = await self._ask_router(
+                self.router.route.remote(input_ids, rid), lambda late: self._finish(late.worker_id)
+            )
             worker_id = decision.worker_id
             progress = RequestProgress(params.n)
             clock = RequestClock()  # the worker call → first message (the routing call is timed apart)
             queue = self._open(worker_id, rid)
-            self._on_failure(self.workers.options(session_id=worker_id).submit.remote(
-                input_ids, params, rid, self.ingress_id, worker_id), rid, queue)
+            self._on_failure(
+                self.workers.options(session_id=worker_id).submit.remote(
+                    input_ids, params, rid, self.ingress_id, worker_id
+                ),
+                rid,
+                queue,
+            )
             try:
                 async for out in self._outputs(queue, text, worker_id, rid, params.n, clock, progress):
                     yield out
@@ -214,8 +223,16 @@ class ClusterBackend(ServingBackend):
         self._active[rid] = worker_id
         return self.stream_from(worker_id).open(rid)
 
-    async def _outputs(self, queue: "asyncio.Queue[WorkerItem]", text: OutputText, worker_id: str, rid: str,
-                       n: int, clock: RequestClock, progress: "RequestProgress") -> AsyncIterator[Any]:
+    async def _outputs(
+        self,
+        queue: "asyncio.Queue[WorkerItem]",
+        text: OutputText,
+        worker_id: str,
+        rid: str,
+        n: int,
+        clock: RequestClock,
+        progress: "RequestProgress",
+    ) -> AsyncIterator[Any]:
         """The request's outputs with their text, until its last choice has ended here; raises the error that
         ended it on the worker."""
         while True:
@@ -249,6 +266,7 @@ class ClusterBackend(ServingBackend):
             self._sent.discard(t)
             if not t.cancelled() and t.exception() is not None:
                 queue.put_nowait(WorkerItem(rid, error=_unwrap(t.exception())))
+
         task.add_done_callback(done)
 
     def _with_text(self, text: OutputText, raw: Any, worker_id: str, rid: str, n: int) -> Optional[Any]:
@@ -292,9 +310,12 @@ class ClusterBackend(ServingBackend):
         s = await self.cluster_stats()
         engines = [w.engine for w in s.workers.values()]
         kv = [e.get("kv_usage", 0.0) for e in engines]
-        return dict(running=sum(e.get("running", 0) for e in engines),
-                    waiting=sum(e.get("waiting", 0) for e in engines),
-                    kv_usage=sum(kv) / len(kv) if kv else 0.0, cache_hit_rate=s.cache_hit_rate)
+        return dict(
+            running=sum(e.get("running", 0) for e in engines),
+            waiting=sum(e.get("waiting", 0) for e in engines),
+            kv_usage=sum(kv) / len(kv) if kv else 0.0,
+            cache_hit_rate=s.cache_hit_rate,
+        )
 
     async def health(self) -> bool:
         try:
@@ -307,17 +328,21 @@ class WorkerGauges:
     """Prometheus collector: per-worker gauges from the backend's last ClusterStats (refreshed at
     each /metrics scrape before rendering), labelled by pool and replica."""
 
-    _GAUGES = (("running", "radixserve_worker_num_requests_running", "Requests in the worker's running batch."),
-               ("waiting", "radixserve_worker_num_requests_waiting", "Requests in the worker's waiting queue."),
-               ("kv_usage", "radixserve_worker_kv_cache_usage_ratio", "Worker KV pool share held by requests."),
-               ("cache_hit_rate", "radixserve_worker_prefix_cache_hit_rate", "Worker cached / prompt tokens."),
-               ("prompt_tokens", "radixserve_worker_prompt_tokens", "Prompt tokens the worker processed."),
-               ("cached_tokens", "radixserve_worker_cached_prompt_tokens", "Prompt tokens served from its cache."),
-               ("generated_tokens", "radixserve_worker_generation_tokens", "Tokens the worker generated."))
-    _ROUTER = (("routed_requests", "radixserve_router_routed_requests", "Requests the router sent to the worker."),
-               ("matched_tokens", "radixserve_router_matched_tokens", "Prompt tokens the router's tree held."),
-               ("tree_tokens", "radixserve_router_tree_tokens", "Tokens in the router's tree of the worker."),
-               ("in_flight", "radixserve_router_in_flight_requests", "Requests routed and not finished."))
+    _GAUGES = (
+        ("running", "radixserve_worker_num_requests_running", "Requests in the worker's running batch."),
+        ("waiting", "radixserve_worker_num_requests_waiting", "Requests in the worker's waiting queue."),
+        ("kv_usage", "radixserve_worker_kv_cache_usage_ratio", "Worker KV pool share held by requests."),
+        ("cache_hit_rate", "radixserve_worker_prefix_cache_hit_rate", "Worker cached / prompt tokens."),
+        ("prompt_tokens", "radixserve_worker_prompt_tokens", "Prompt tokens the worker processed."),
+        ("cached_tokens", "radixserve_worker_cached_prompt_tokens", "Prompt tokens served from its cache."),
+        ("generated_tokens", "radixserve_worker_generation_tokens", "Tokens the worker generated."),
+    )
+    _ROUTER = (
+        ("routed_requests", "radixserve_router_routed_requests", "Requests the router sent to the worker."),
+        ("matched_tokens", "radixserve_router_matched_tokens", "Prompt tokens the router's tree held."),
+        ("tree_tokens", "radixserve_router_tree_tokens", "Tokens in the router's tree of the worker."),
+        ("in_flight", "radixserve_router_in_flight_requests", "Requests routed and not finished."),
+    )
 
     def __init__(self, backend: ClusterBackend, model_name: str):
         self.backend, self.model_name = backend, model_name
@@ -331,12 +356,13 @@ class WorkerGauges:
         families = []
         for key, name, doc in self._GAUGES + self._ROUTER:
             g = GaugeMetricFamily(name, doc, labels=labels)
-            for wid, w in (s.workers.items() if s is not None else ()):
+            for wid, w in s.workers.items() if s is not None else ():
                 value = w.engine.get(key, 0.0) if (key, name, doc) in self._GAUGES else getattr(w, key)
                 g.add_metric([self.model_name, w.pool, wid], float(value))
             families.append(g)
-        lat = GaugeMetricFamily("radixserve_router_decision_latency_ms", "Routing decision time in the router.",
-                                labels=["quantile"])
+        lat = GaugeMetricFamily(
+            "radixserve_router_decision_latency_ms", "Routing decision time in the router.", labels=["quantile"]
+        )
         for q in ("p50", "p99"):
             lat.add_metric([q], float(s.route_latency_ms.get(q, 0.0)) if s is not None else 0.0)
         families.append(lat)
@@ -347,9 +373,19 @@ class WorkerGauges:
 class Ingress:
     """The HTTP entry point; routes come from serving.build_app (no protocol code here)."""
 
-    async def __init__(self, router, workers, model: Optional[str], model_name: str,
-                   api_key: Optional[str], max_body_bytes: int, admin_api_key: Optional[str] = None,
-                   mode: str = "unified", tokenizer_source: Optional[str] = None, prefill=None):
+    async def __init__(
+        self,
+        router,
+        workers,
+        model: Optional[str],
+        model_name: str,
+        api_key: Optional[str],
+        max_body_bytes: int,
+        admin_api_key: Optional[str] = None,
+        mode: str = "unified",
+        tokenizer_source: Optional[str] = None,
+        prefill=None,
+    ):
         """`workers`: the unified pool's handle, or the decode pool's (mode="disaggregated"); `prefill`: the
         prefill pool's handle when the ingress starts prompts there (disaggregated, early_prefill)."""
         from engine.models.source import resolve_model
@@ -363,8 +399,9 @@ class Ingress:
         if mode == "disaggregated":
             from cluster.disaggregated import DisaggregatedBackend
 
-            self.backend = DisaggregatedBackend(router, workers, tokenizer, info.context_len, info.vocab_size,
-                                                prefill=prefill)
+            self.backend = DisaggregatedBackend(
+                router, workers, tokenizer, info.context_len, info.vocab_size, prefill=prefill
+            )
         else:
             self.backend = ClusterBackend(router, workers, tokenizer, info.context_len, info.vocab_size)
 
@@ -372,8 +409,13 @@ class Ingress:
         from cluster.admin import install_admin
         from serving.app import build_app
 
-        app = build_app(self.backend, api_key=self.api_key, model_name=self.model_name,
-                        max_body_bytes=self.max_body_bytes, title="radixserve cluster")
+        app = build_app(
+            self.backend,
+            api_key=self.api_key,
+            model_name=self.model_name,
+            max_body_bytes=self.max_body_bytes,
+            title="radixserve cluster",
+        )
         app.state.serving.metrics.registry.register(WorkerGauges(self.backend, self.model_name))
         install_admin(app, self.backend.router, self.admin_api_key, self.model_name)  # /admin, /dashboard
         backend, replica_id = self.backend, self.replica_id

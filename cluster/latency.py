@@ -13,6 +13,7 @@ mean gap between token messages ((t_last - t_first) / (messages - 1)), one sampl
 TTFT belongs to the pool that computes prompts (unified or prefill), ITL to the pool that decodes
 (unified or decode).
 """
+
 import bisect
 import collections
 import time
@@ -28,6 +29,7 @@ LATENCY_WINDOW_S = 10.0
 @dataclass(frozen=True)
 class RequestTiming:
     """One finished request's latencies, as the ingress saw them."""
+
     ttft_ms: Optional[float]
     """None when no token arrived (failed or aborted before the first)."""
     itl_ms: Optional[float]
@@ -63,6 +65,7 @@ class RequestClock:
 @dataclass
 class Histogram:
     """Cumulative Prometheus-style histogram (seconds)."""
+
     counts: List[int] = field(default_factory=lambda: [0] * (len(BUCKETS_S) + 1))
     """Per bucket (not cumulative); the last one is +Inf."""
     total: float = 0.0
@@ -124,8 +127,11 @@ class IngressLatency:
             self.sums["first_message_requests"] += 1
 
     def snapshot(self) -> dict:
-        return {"route_rpc_ms": percentiles(self.route_rpc_ms),
-                "first_message_ms": percentiles(self.first_message_ms), **self.sums}
+        return {
+            "route_rpc_ms": percentiles(self.route_rpc_ms),
+            "first_message_ms": percentiles(self.first_message_ms),
+            **self.sums,
+        }
 
 
 class LatencyWindow:

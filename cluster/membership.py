@@ -5,6 +5,7 @@ callers that saw a replica die; read by the router deployment (`members`). Kept 
 pinning.py because Serve pickles the request router's module by value: state there would be
 copied, not shared; this module is imported by reference.
 """
+
 import threading
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, Optional
@@ -13,6 +14,7 @@ from typing import Dict, FrozenSet, Optional
 @dataclass
 class Membership:
     """Live replica unique ids of one deployment, as this process's handles last heard."""
+
     ids: FrozenSet[str] = frozenset()
     version: int = 0
     """Bumped on every change; readers compare it to skip work."""

@@ -18,6 +18,7 @@ internal_request_id, so the base class can hand a replica to the wrong pending c
 all. `_fulfill_next_pending_request` here hands the replica to exactly the pending call that was
 routed (matched by its metadata object). It overrides a private Ray 2.60 hook: re-check on upgrades.
 """
+
 from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -28,8 +29,9 @@ from cluster import membership
 class PinnedRequestRouter(RequestRouter):
     """Route to the replica whose unique_id is the request's session_id (see module docstring)."""
 
-    async def choose_replicas(self, candidate_replicas: List[RunningReplica],
-                              pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest] = None
+    ) -> List[List[RunningReplica]]:
         if pending_request is None:
             return [candidate_replicas]
         pending_request.routing_context.should_backoff = True  # a busy pinned replica → back off, not spin

@@ -23,6 +23,7 @@ Serve stops another one, that one gets Serve's graceful shutdown and the drained
 
 Single event loop (the router replica's): no locks.
 """
+
 import asyncio
 import collections
 import logging
@@ -32,8 +33,15 @@ from typing import Any, Dict, List, Literal, Optional, Set, Tuple
 
 from cluster import membership
 from cluster.latency import LatencyWindow, RequestTiming
-from cluster.scaling_models import (AdminError, ClusterPools, HistogramView, PoolSample, PoolStatus,
-                                    ReplicaStatus, ScaleRequest)
+from cluster.scaling_models import (
+    AdminError,
+    ClusterPools,
+    HistogramView,
+    PoolSample,
+    PoolStatus,
+    ReplicaStatus,
+    ScaleRequest,
+)
 from cluster.scaling_policy import PoolController, PoolSignals, ScalingConfig, p90, publish_target
 
 logger = logging.getLogger("ray.serve")
@@ -126,23 +134,36 @@ class PoolScaler:
         stats = [p.engine_stats.get(w, {}) for w in p.router.state.workers]
         m = membership.members(p.deployment_id)
         lat = self.latency[name]
-        return PoolSignals(ready=len(m.ids - m.dead), waiting=int(sum(s.get("waiting", 0) for s in stats)),
-                           running=int(sum(s.get("running", 0) for s in stats)),
-                           kv_usage=sum(s.get("kv_usage", 0.0) for s in stats) / len(stats) if stats else 0.0,
-                           ttft_p90_ms=p90(lat["ttft"].recent(now)), itl_p90_ms=p90(lat["itl"].recent(now)))
+        return PoolSignals(
+            ready=len(m.ids - m.dead),
+            waiting=int(sum(s.get("waiting", 0) for s in stats)),
+            running=int(sum(s.get("running", 0) for s in stats)),
+            kv_usage=sum(s.get("kv_usage", 0.0) for s in stats) / len(stats) if stats else 0.0,
+            ttft_p90_ms=p90(lat["ttft"].recent(now)),
+            itl_p90_ms=p90(lat["itl"].recent(now)),
+        )
 
     async def _apply(self, name: str, target: int, now: float) -> None:
         current = self.applied[name]
         if current is None or target > current:
-            for d in [d for d in self.drains.values() if d.pool == name and d.purpose == "scale-down"
-                      and d.phase in ("draining", "drained")]:
+            for d in [
+                d
+                for d in self.drains.values()
+                if d.pool == name and d.purpose == "scale-down" and d.phase in ("draining", "drained")
+            ]:
                 self._forget(d)  # a pending scale-down is called off: back to routing
             await self._publish(name, target)
             return
         if target == current:
             return
-        victim = next((d for d in self.drains.values() if d.pool == name and d.purpose == "scale-down"
-                       and d.phase in ("draining", "drained")), None)
+        victim = next(
+            (
+                d
+                for d in self.drains.values()
+                if d.pool == name and d.purpose == "scale-down" and d.phase in ("draining", "drained")
+            ),
+            None,
+        )
         if victim is None:
             routable = list(self.pools[name].router.state.workers)
             if len(routable) <= 1:  # nothing left to route to: Serve will stop what it stops
@@ -157,8 +178,7 @@ class PoolScaler:
     async def _publish(self, name: str, target: int) -> None:
         await asyncio.to_thread(publish_target, self.config.nonce, self.specs[name].deployment, target)
         if self.applied[name] != target:
-            logger.info("scaler: %s pool target %s -> %d (%s)", name, self.applied[name], target,
-                        self.ctl[name].reason)
+            logger.info("scaler: %s pool target %s -> %d (%s)", name, self.applied[name], target, self.ctl[name].reason)
         self.applied[name] = target
 
     # --- drains --------------------------------------------------------------------------------
@@ -245,8 +265,10 @@ class PoolScaler:
             dep = deployments.get(spec.deployment) or {}
             self.serve_view[spec.deployment] = {
                 "target": dep.get("target_num_replicas"),
-                "replicas": {r["replica_id"]: str(getattr(r["state"], "value", r["state"]))
-                             for r in dep.get("replicas", [])}}
+                "replicas": {
+                    r["replica_id"]: str(getattr(r["state"], "value", r["state"])) for r in dep.get("replicas", [])
+                },
+            }
 
     # --- status, history and operator commands -------------------------------------------------
 
@@ -273,20 +295,31 @@ class PoolScaler:
                 label = "starting"
             else:
                 label = (sstate or "unknown").lower()
-            out.append(ReplicaStatus(
-                replica_id=wid, state=label, serve_state=sstate, routable=(ws is not None or wid in live) and d is None,
-                running=int(s.get("running", 0)), waiting=int(s.get("waiting", 0)),
-                kv_usage=float(s.get("kv_usage", 0.0)), cache_hit_rate=float(s.get("cache_hit_rate", 0.0)),
-                in_flight=ws.in_flight if ws else 0, routed_requests=ws.routed_requests if ws else 0,
-                generated_tokens=int(s.get("generated_tokens", 0))))
+            out.append(
+                ReplicaStatus(
+                    replica_id=wid,
+                    state=label,
+                    serve_state=sstate,
+                    routable=(ws is not None or wid in live) and d is None,
+                    running=int(s.get("running", 0)),
+                    waiting=int(s.get("waiting", 0)),
+                    kv_usage=float(s.get("kv_usage", 0.0)),
+                    cache_hit_rate=float(s.get("cache_hit_rate", 0.0)),
+                    in_flight=ws.in_flight if ws else 0,
+                    routed_requests=ws.routed_requests if ws else 0,
+                    generated_tokens=int(s.get("generated_tokens", 0)),
+                )
+            )
         return out
 
     def _totals(self, name: str) -> Dict[str, float]:
         stats = list(self.pools[name].engine_stats.values())
         prompt = sum(s.get("prompt_tokens", 0) for s in stats)
         cached = sum(s.get("cached_tokens", 0) for s in stats)
-        return {"generated": {w: s.get("generated_tokens", 0) for w, s in self.pools[name].engine_stats.items()},
-                "hit_rate": cached / prompt if prompt else 0.0}
+        return {
+            "generated": {w: s.get("generated_tokens", 0) for w, s in self.pools[name].engine_stats.items()},
+            "hit_rate": cached / prompt if prompt else 0.0,
+        }
 
     def _sample(self, name: str, now: float) -> None:
         totals = self._totals(name)
@@ -297,10 +330,20 @@ class PoolScaler:
             self._tokens_per_s[name] = delta / (now - prev[0])
         self._tokens[name] = (now, gen)
         s = self._signals(name, now)
-        self.history[name].append(PoolSample(
-            time=time.time(), replicas=s.ready, target=self.ctl[name].target, waiting=s.waiting, running=s.running,
-            kv_usage=s.kv_usage, cache_hit_rate=totals["hit_rate"], ttft_p90_ms=s.ttft_p90_ms,
-            itl_p90_ms=s.itl_p90_ms, tokens_per_s=self._tokens_per_s[name]))
+        self.history[name].append(
+            PoolSample(
+                time=time.time(),
+                replicas=s.ready,
+                target=self.ctl[name].target,
+                waiting=s.waiting,
+                running=s.running,
+                kv_usage=s.kv_usage,
+                cache_hit_rate=totals["hit_rate"],
+                ttft_p90_ms=s.ttft_p90_ms,
+                itl_p90_ms=s.itl_p90_ms,
+                tokens_per_s=self._tokens_per_s[name],
+            )
+        )
 
     def pool_status(self, name: str, history: bool = False) -> PoolStatus:
         if name not in self.specs:
@@ -317,15 +360,28 @@ class PoolScaler:
             return HistogramView(buckets=h.cumulative(), sum=h.total, count=h.count)
 
         return PoolStatus(
-            name=name, deployment=self.specs[name].deployment, mode="autoscaling" if ctl.auto else "manual",
-            target_replicas=ctl.target, serve_target_replicas=self.serve_view.get(
-                self.specs[name].deployment, {}).get("target"),
-            min_replicas=ctl.min_replicas, max_replicas=ctl.max_replicas, autoscaling=ctl.settings.model_dump(),
-            last_decision=ctl.reason, ready_replicas=s.ready, replicas=self._replicas(name), waiting=s.waiting,
-            running=s.running, kv_usage=s.kv_usage, cache_hit_rate=self._totals(name)["hit_rate"],
-            ttft_p90_ms=s.ttft_p90_ms, itl_p90_ms=s.itl_p90_ms, tokens_per_s=self._tokens_per_s[name],
-            ttft_histogram=hist("ttft"), itl_histogram=hist("itl"),
-            history=list(self.history[name]) if history else [])
+            name=name,
+            deployment=self.specs[name].deployment,
+            mode="autoscaling" if ctl.auto else "manual",
+            target_replicas=ctl.target,
+            serve_target_replicas=self.serve_view.get(self.specs[name].deployment, {}).get("target"),
+            min_replicas=ctl.min_replicas,
+            max_replicas=ctl.max_replicas,
+            autoscaling=ctl.settings.model_dump(),
+            last_decision=ctl.reason,
+            ready_replicas=s.ready,
+            replicas=self._replicas(name),
+            waiting=s.waiting,
+            running=s.running,
+            kv_usage=s.kv_usage,
+            cache_hit_rate=self._totals(name)["hit_rate"],
+            ttft_p90_ms=s.ttft_p90_ms,
+            itl_p90_ms=s.itl_p90_ms,
+            tokens_per_s=self._tokens_per_s[name],
+            ttft_histogram=hist("ttft"),
+            itl_histogram=hist("itl"),
+            history=list(self.history[name]) if history else [],
+        )
 
     def status(self, history: bool = False) -> ClusterPools:
         return ClusterPools(time=time.time(), pools=[self.pool_status(n, history) for n in self.specs])
@@ -348,8 +404,9 @@ class PoolScaler:
 
     def _find(self, replica_id: str) -> str:
         for name, p in self.pools.items():
-            if name in self.specs and (replica_id in membership.members(p.deployment_id).ids
-                                       or replica_id in p.router.state.workers):
+            if name in self.specs and (
+                replica_id in membership.members(p.deployment_id).ids or replica_id in p.router.state.workers
+            ):
                 return name
         raise AdminError(404, f"no live worker replica {replica_id!r}")
 

@@ -1,6 +1,7 @@
 """What crosses the admin boundary (router deployment ⇄ ingress ⇄ HTTP): the pool status the
 PoolScaler reports (ClusterPools → PoolStatus → ReplicaStatus, PoolSample history, histograms) and
 the operator's requests (ScaleRequest, DrainRequest); AdminError carries an HTTP status."""
+
 from typing import Any, Dict, List, Literal, Optional, Tuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -83,10 +84,12 @@ class ClusterPools(BaseModel):
 
 class ScaleRequest(BaseModel):
     """Either a fixed size (`replicas`; autoscaling off) or autoscaling with optional new bounds."""
+
     model_config = ConfigDict(extra="forbid")
     replicas: Optional[int] = Field(None, ge=1, le=REPLICA_CAP, description="Fixed pool size (manual mode).")
-    autoscaling: Optional[bool] = Field(None, description="true: autoscale within the bounds; false: keep "
-                                        "the current size fixed.")
+    autoscaling: Optional[bool] = Field(
+        None, description="true: autoscale within the bounds; false: keep the current size fixed."
+    )
     min_replicas: Optional[int] = Field(None, ge=1, le=REPLICA_CAP)
     max_replicas: Optional[int] = Field(None, ge=1, le=REPLICA_CAP)
 

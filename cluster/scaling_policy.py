@@ -22,6 +22,7 @@ Serve's current target (the pool's initial size).
 
 No heavy imports here: the Serve controller unpickles FollowPoolTarget and imports this module.
 """
+
 import json
 import math
 import time
@@ -43,15 +44,18 @@ POOL_DEPLOYMENTS = {"unified": "Worker", "prefill": "Prefill", "decode": "Decode
 
 class PoolSpec(BaseModel):
     """One worker pool as the builder configured it."""
+
     name: str = Field(description="unified, prefill or decode.")
     deployment: str = Field(description="The pool's Serve deployment name.")
     initial_replicas: int = Field(ge=1)
-    autoscaling: Optional[Dict[str, Any]] = Field(None, description="cluster.config.PoolAutoscaling fields, "
-                                                  "or None: fixed size until an operator changes it.")
+    autoscaling: Optional[Dict[str, Any]] = Field(
+        None, description="cluster.config.PoolAutoscaling fields, or None: fixed size until an operator changes it."
+    )
 
 
 class ScalingConfig(BaseModel):
     """What the router deployment's PoolScaler needs (built once per application build)."""
+
     nonce: str = Field(description="Unique per build: names this application's KV keys.")
     pools: List[PoolSpec]
     report_interval_s: float = 0.5
@@ -62,8 +66,14 @@ def scaling_config(args: Any) -> ScalingConfig:
     pools = []
     for name, n in args.pool_sizes().items():
         auto = args.pool_autoscaling(name)
-        pools.append(PoolSpec(name=name, deployment=POOL_DEPLOYMENTS[name], initial_replicas=n,
-                              autoscaling=auto.model_dump() if auto is not None else None))
+        pools.append(
+            PoolSpec(
+                name=name,
+                deployment=POOL_DEPLOYMENTS[name],
+                initial_replicas=n,
+                autoscaling=auto.model_dump() if auto is not None else None,
+            )
+        )
     return ScalingConfig(nonce=uuid.uuid4().hex[:16], pools=pools, report_interval_s=args.report_interval_s)
 
 
@@ -73,10 +83,16 @@ def deployment_options(config: ScalingConfig, pool: str) -> Dict[str, Any]:
     from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
 
     spec = next(p for p in config.pools if p.name == pool)
-    return {"autoscaling_config": AutoscalingConfig(
-        min_replicas=1, max_replicas=REPLICA_CAP, initial_replicas=spec.initial_replicas,
-        upscale_delay_s=0.0, downscale_delay_s=0.0,  # PoolController does the hysteresis
-        policy=AutoscalingPolicy(policy_function=FollowPoolTarget, policy_kwargs={"nonce": config.nonce}))}
+    return {
+        "autoscaling_config": AutoscalingConfig(
+            min_replicas=1,
+            max_replicas=REPLICA_CAP,
+            initial_replicas=spec.initial_replicas,
+            upscale_delay_s=0.0,
+            downscale_delay_s=0.0,  # PoolController does the hysteresis
+            policy=AutoscalingPolicy(policy_function=FollowPoolTarget, policy_kwargs={"nonce": config.nonce}),
+        )
+    }
 
 
 def target_key(nonce: str, deployment: str) -> bytes:
@@ -122,6 +138,7 @@ class FollowPoolTarget:
 @dataclass(frozen=True)
 class PoolSignals:
     """One pool's load, as the router saw it at one control-loop step."""
+
     ready: int
     """Replicas the router hears from (running, routable or draining)."""
     waiting: int
@@ -159,8 +176,9 @@ class PoolController:
         self.auto = spec.autoscaling is not None
         self.settings = PoolAutoscaling.model_validate(spec.autoscaling or {})
         if not self.auto:  # bounds an operator gets when switching autoscaling on later
-            self.settings = self.settings.model_copy(update={"min_replicas": 1,
-                                                             "max_replicas": max(4, spec.initial_replicas)})
+            self.settings = self.settings.model_copy(
+                update={"min_replicas": 1, "max_replicas": max(4, spec.initial_replicas)}
+            )
         self.target = self._clamp(spec.initial_replicas) if self.auto else spec.initial_replicas
         self.reason = "initial size"
         self._hot_since: Optional[float] = None
@@ -198,8 +216,12 @@ class PoolController:
         self._hot_since = (now if self._hot_since is None else self._hot_since) if hot else None
         self._cold_since = (now if self._cold_since is None else self._cold_since) if cold else None
         c = self.settings
-        if hot and self.target < c.max_replicas and s.ready >= self.target \
-                and now - self._hot_since >= c.upscale_delay_s:
+        if (
+            hot
+            and self.target < c.max_replicas
+            and s.ready >= self.target
+            and now - self._hot_since >= c.upscale_delay_s
+        ):
             self.target, self.reason, self._hot_since = self.target + 1, f"scale up: {hot}", now
         elif cold and self.target > c.min_replicas and now - self._cold_since >= c.downscale_delay_s:
             self.target, self.reason, self._cold_since = self.target - 1, "scale down: idle", now

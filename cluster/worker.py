@@ -21,6 +21,7 @@ Failures: an ingress whose stream ends (it went away) has its requests here abor
 pinned to a replica that left reaches another one, which refuses it (WrongReplicaError) so that the
 ingress retries elsewhere.
 """
+
 import asyncio
 import collections
 import logging
@@ -49,6 +50,7 @@ class WorkerInfo:
 @dataclass(frozen=True)
 class WorkerItem:
     """One request's news in a worker's stream to an ingress: an output, or the error that ended it."""
+
     rid: str
     """The rid the ingress submitted (for n > 1, every choice's outputs carry it; output.index tells them apart)."""
     output: Any = None
@@ -62,6 +64,7 @@ class WorkerItem:
 @dataclass(frozen=True)
 class WorkerReport:
     """What the router learns from one poll of one worker."""
+
     replica_id: str
     queue_len: int
     """Waiting requests in the engine."""
@@ -166,8 +169,15 @@ class WorkerBase:
     async def report(self) -> WorkerReport:
         stats = await self.stats()
         events = await self.engine.drain_cache_events_async()
-        return WorkerReport(self.replica_id, int(stats.get("waiting", 0)), int(stats.get("running", 0)),
-                            float(stats.get("kv_usage", 0.0)), events, stats, time.time())
+        return WorkerReport(
+            self.replica_id,
+            int(stats.get("waiting", 0)),
+            int(stats.get("running", 0)),
+            float(stats.get("kv_usage", 0.0)),
+            events,
+            stats,
+            time.time(),
+        )
 
     async def stats(self) -> Dict[str, float]:
         return {**await self.engine.stats_async(), **self._extra_stats()}

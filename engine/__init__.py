@@ -13,9 +13,18 @@ Data flow and owners:
 
 Public API: `from engine import Engine, SamplingParams`.
 """
-from engine.errors import (EngineDeadError, EngineError, InvalidConfigError, InvalidRequestError,  # noqa: F401
-                           ModelNotFoundError, OutOfMemoryError, PromptTooLongError, QueueFullError,
-                           UnsupportedModelError)
+
+from engine.errors import (
+    EngineDeadError,
+    EngineError,
+    InvalidConfigError,
+    InvalidRequestError,  # noqa: F401
+    ModelNotFoundError,
+    OutOfMemoryError,
+    PromptTooLongError,
+    QueueFullError,
+    UnsupportedModelError,
+)
 from engine.sampling_params import SamplingParams  # noqa: F401
 
 
@@ -23,8 +32,10 @@ def __getattr__(name):
     # Engine pulls in torch and transformers: import it lazily so `import engine` stays cheap.
     if name == "Engine":
         from engine.engine import Engine
+
         return Engine
     if name in ("GenerateOutput", "StreamOutput"):
         from engine import outputs
+
         return getattr(outputs, name)
     raise AttributeError(name)

@@ -1,4 +1,5 @@
 """Engine configuration: one frozen dataclass, validated once at construction."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,35 +24,127 @@ class EngineConfig:
     `cpu_max_total_tokens`) is used.
     """
 
-    model: Optional[str] = field(default=None, metadata={"help": "HF folder, .gguf file, or None for the default model."})
-    load_format: LoadFormat = field(default="auto", metadata={"help": "How to read weights; 'dummy' = random weights, real shapes."})
-    dtype: str = field(default="auto", metadata={"help": "float32 | bfloat16 | float16 | auto (fp32 on CPU, bf16 on GPU)."})
+    model: Optional[str] = field(
+        default=None, metadata={"help": "HF folder, .gguf file, or None for the default model."}
+    )
+    load_format: LoadFormat = field(
+        default="auto", metadata={"help": "How to read weights; 'dummy' = random weights, real shapes."}
+    )
+    dtype: str = field(
+        default="auto", metadata={"help": "float32 | bfloat16 | float16 | auto (fp32 on CPU, bf16 on GPU)."}
+    )
     device: str = field(default="auto", metadata={"help": "cpu | cuda | cuda:N | auto."})
     page_size: int = field(default=1, metadata={"help": "Tokens per KV page."})
     max_total_tokens: Optional[int] = field(default=None, metadata={"help": "KV pool size in tokens."})
     mem_fraction_static: float = field(default=0.85, metadata={"help": "Memory fraction for weights + KV pool."})
-    cpu_max_total_tokens: int = field(default=65536, metadata={"help": "Cap on the KV pool on CPU when sized from memory."})
+    cpu_max_total_tokens: int = field(
+        default=65536, metadata={"help": "Cap on the KV pool on CPU when sized from memory."}
+    )
     max_running_requests: int = field(default=256, metadata={"help": "Max requests in the running batch."})
-    max_queued_requests: Optional[int] = field(default=None, metadata={"help": "Reject new requests beyond this many waiting."})
-    chunked_prefill_size: int = field(default=2048, metadata={"help": "Max prompt tokens of one request per prefill step; -1 disables chunking."})
+    max_queued_requests: Optional[int] = field(
+        default=None, metadata={"help": "Reject new requests beyond this many waiting."}
+    )
+    chunked_prefill_size: int = field(
+        default=2048, metadata={"help": "Max prompt tokens of one request per prefill step; -1 disables chunking."}
+    )
     max_prefill_tokens: int = field(default=16384, metadata={"help": "Token budget of one prefill batch."})
-    enable_mixed_chunk: bool = field(default=False, metadata={"help": "Run the running requests' decode tokens in the same step as a prefill (SGLang's mixed chunked prefill), so that arriving prompts do not stall decoding; the step's budget (max_prefill_tokens) counts them."})
+    enable_mixed_chunk: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "A prefill step also decodes one token of every running request (SGLang's mixed chunked "
+                "prefill); max_prefill_tokens counts them."
+            )
+        },
+    )
     schedule_policy: SchedulePolicy = field(default="lpm", metadata={"help": "Waiting-queue order: lpm | fcfs."})
     disable_radix_cache: bool = field(default=False, metadata={"help": "Turn prefix caching off."})
     context_length: Optional[int] = field(default=None, metadata={"help": "Override the model's context length."})
-    attention_backend: str = field(default="auto", metadata={"help": "auto | flashinfer | triton | torch_native. auto: flashinfer on CUDA for bf16/fp16 (triton when flashinfer is missing or for float32), torch_native on CPU."})
-    disable_cuda_graph: bool = field(default=False, metadata={"help": "Run decode eagerly instead of replaying captured CUDA graphs (CUDA only)."})
-    disable_overlap_schedule: bool = field(default=False, metadata={"help": "Run each batch to completion before planning the next, instead of launching batch N+1 before processing batch N's results on the CPU (engine/scheduler/overlap.py). Outputs are the same either way."})
-    disable_gemv: bool = field(default=False, metadata={"help": "Run one-row matmuls (batch-1 decode, last-token logits) with cuBLAS instead of radixserve's GEMV kernel (kernels/triton/gemv.py; CUDA only)."})
-    disable_pdl: bool = field(default=False, metadata={"help": "Launch radixserve's Triton kernels without programmatic dependent launch (Hopper and later: a kernel starts while the previous one finishes; kernels/triton/pdl.py). Process-wide."})
-    cuda_graph_max_bs: Optional[int] = field(default=None, metadata={"help": "Largest decode batch captured as a CUDA graph (graphs at powers of two up to it; larger batches run eagerly). Default: max_running_requests, at most 256."})
-    tokenizer: Optional[str] = field(default=None, metadata={"help": "Tokenizer source (HF folder or .gguf file) when it is not the model's own, e.g. for dummy weights of an architecture config; default: the model's."})
-    skip_tokenizer_init: bool = field(default=False, metadata={"help": "No tokenizer: prompts must be token ids and outputs carry no text (benchmarks on dummy weights)."})
-    detokenize: bool = field(default=True, metadata={"help": "Make the outputs' text and check stop strings in the Engine's front end. False: outputs carry token ids only (text \"\") and stop strings are the caller's (engine.text.OutputText), as in the cluster's workers, whose ingress makes the text."})
-    core_process: bool = field(default=False, metadata={"help": "Run the scheduler and model (EngineCore) in a process of their own, which owns the device and talks to this front end over ZMQ in one message per step (engine/core/process.py); servers turn it on. False: a thread of this process."})
-    enable_cache_events: bool = field(default=False, metadata={"help": "Record radix-cache insert/evict events for a router (drain them with Engine.drain_cache_events)."})
+    attention_backend: str = field(
+        default="auto",
+        metadata={
+            "help": (
+                "auto | flashinfer | triton | torch_native (auto: flashinfer on CUDA, else triton for "
+                "float32; torch_native on CPU)."
+            )
+        },
+    )
+    disable_cuda_graph: bool = field(
+        default=False, metadata={"help": "Run decode eagerly instead of replaying captured CUDA graphs (CUDA only)."}
+    )
+    disable_overlap_schedule: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "Finish each batch before planning the next (default: launch batch N+1 before processing "
+                "N's results). Same outputs."
+            )
+        },
+    )
+    disable_gemv: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "One-row matmuls (batch-1 decode, last-token logits) with cuBLAS instead of our GEMV kernel"
+                " (CUDA only)."
+            )
+        },
+    )
+    disable_pdl: bool = field(
+        default=False,
+        metadata={
+            "help": "Launch our Triton kernels without programmatic dependent launch (Hopper and later; process-wide)."
+        },
+    )
+    cuda_graph_max_bs: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": (
+                "Largest decode batch captured as a CUDA graph (powers of two up to it). Default: "
+                "max_running_requests, at most 256."
+            )
+        },
+    )
+    tokenizer: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": (
+                "Tokenizer source (HF folder or .gguf) when not the model's own, e.g. for dummy weights of a config."
+            )
+        },
+    )
+    skip_tokenizer_init: bool = field(
+        default=False,
+        metadata={"help": "No tokenizer: prompts must be token ids and outputs carry no text."},
+    )
+    detokenize: bool = field(
+        default=True,
+        metadata={
+            "help": (
+                "Make text and check stop strings in the front end. False: token ids only; text is the "
+                "caller's (engine.text)."
+            )
+        },
+    )
+    core_process: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "Run the scheduler and model (EngineCore) in a process of their own, over ZMQ (servers: "
+                "on). False: a thread."
+            )
+        },
+    )
+    enable_cache_events: bool = field(
+        default=False,
+        metadata={
+            "help": "Record radix-cache insert/evict events for a router (drain them with Engine.drain_cache_events)."
+        },
+    )
     random_seed: int = field(default=0, metadata={"help": "Seed for dummy weights and unseeded sampling."})
-    new_token_ratio: float = field(default=0.4, metadata={"help": "Share of max_new_tokens reserved when admitting a request."})
+    new_token_ratio: float = field(
+        default=0.4, metadata={"help": "Share of max_new_tokens reserved when admitting a request."}
+    )
 
     def __post_init__(self) -> None:
         def check(cond: bool, msg: str) -> None:
@@ -59,21 +152,38 @@ class EngineConfig:
                 raise InvalidConfigError(msg)
 
         check(self.page_size >= 1, f"page_size must be >= 1, got {self.page_size}")
-        check(self.max_total_tokens is None or self.max_total_tokens >= self.page_size,
-              f"max_total_tokens must be >= page_size, got {self.max_total_tokens}")
-        check(0.0 < self.mem_fraction_static < 1.0, f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        check(
+            self.max_total_tokens is None or self.max_total_tokens >= self.page_size,
+            f"max_total_tokens must be >= page_size, got {self.max_total_tokens}",
+        )
+        check(
+            0.0 < self.mem_fraction_static < 1.0,
+            f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}",
+        )
         check(self.max_running_requests >= 1, f"max_running_requests must be >= 1, got {self.max_running_requests}")
-        check(self.chunked_prefill_size == -1 or self.chunked_prefill_size >= 1,
-              f"chunked_prefill_size must be -1 or >= 1, got {self.chunked_prefill_size}")
+        check(
+            self.chunked_prefill_size == -1 or self.chunked_prefill_size >= 1,
+            f"chunked_prefill_size must be -1 or >= 1, got {self.chunked_prefill_size}",
+        )
         check(self.max_prefill_tokens >= 1, f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
-        check(self.schedule_policy in ("lpm", "fcfs"), f"schedule_policy must be 'lpm' or 'fcfs', got {self.schedule_policy!r}")
+        check(
+            self.schedule_policy in ("lpm", "fcfs"),
+            f"schedule_policy must be 'lpm' or 'fcfs', got {self.schedule_policy!r}",
+        )
         check(self.load_format in ("auto", "safetensors", "gguf", "dummy"), f"unknown load_format {self.load_format!r}")
         check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        check(self.context_length is None or self.context_length >= 2, f"context_length must be >= 2, got {self.context_length}")
-        check(self.attention_backend in ATTENTION_BACKENDS,
-              f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        check(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,
-              f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+        check(
+            self.context_length is None or self.context_length >= 2,
+            f"context_length must be >= 2, got {self.context_length}",
+        )
+        check(
+            self.attention_backend in ATTENTION_BACKENDS,
+            f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
+        )
+        check(
+            self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,
+            f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}",
+        )
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

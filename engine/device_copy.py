@@ -1,4 +1,5 @@
 """Host → device copies that never make the host wait for the device's queued work."""
+
 from __future__ import annotations
 
 import torch

@@ -13,6 +13,7 @@ Ownership: the core owns every KV page; the front end owns each request's text a
 stream that stops early (its consumer closed it, a stop string matched here) aborts its request in
 the core, which frees its pages; a dead core fails every open request with EngineDeadError.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -42,8 +43,15 @@ Sink = Callable[[Any], None]
 class _Group:
     """The front end's side of one AddRequest: its choices' text and where their outputs go."""
 
-    def __init__(self, rid: str, params: SamplingParams, text: Optional[OutputText], sink: Sink,
-                 loop: Optional[asyncio.AbstractEventLoop], handoff: Optional[str]):
+    def __init__(
+        self,
+        rid: str,
+        params: SamplingParams,
+        text: Optional[OutputText],
+        sink: Sink,
+        loop: Optional[asyncio.AbstractEventLoop],
+        handoff: Optional[str],
+    ):
         self.rid, self.params, self.text, self.sink, self.loop = rid, params, text, sink, loop
         self.handoff = handoff
         self.engine_rids = [rid] if params.n == 1 else [f"{rid}#{i}" for i in range(params.n)]
@@ -57,11 +65,18 @@ class _Group:
             self.sink(out.handoff)
             return
         item: Optional[StreamOutput] = StreamOutput(
-            rid=out.rid, index=index, new_token_ids=out.new_token_ids, text="",
+            rid=out.rid,
+            index=index,
+            new_token_ids=out.new_token_ids,
+            text="",
             logprobs=out.logprobs if self.params.logprobs else None,
             finish_reason=None if out.finish_reason is None else out.finish_reason.value,
-            matched_stop=out.matched_stop, prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
-            completion_tokens=out.completion_tokens, prompt_logprobs=out.prompt_logprobs)
+            matched_stop=out.matched_stop,
+            prompt_tokens=out.prompt_tokens,
+            cached_tokens=out.cached_tokens,
+            completion_tokens=out.completion_tokens,
+            prompt_logprobs=out.prompt_logprobs,
+        )
         if self.text is not None:
             item = self.text.apply(item)
             if item is None:  # the choice already ended here (a stop string); the core's late news
@@ -108,18 +123,29 @@ def _merge(index: int, outs: List[StreamOutput]) -> GenerateOutput:
     logprobs = [lp for o in outs for lp in (o.logprobs or [])]
     prompt_logprobs = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
     return GenerateOutput(
-        rid=last.rid, index=index, text="".join(o.text for o in outs),
-        token_ids=[t for o in outs for t in o.new_token_ids], finish_reason=last.finish_reason,
-        matched_stop=last.matched_stop, prompt_tokens=last.prompt_tokens, cached_tokens=last.cached_tokens,
-        completion_tokens=last.completion_tokens, logprobs=logprobs or None, prompt_logprobs=prompt_logprobs)
+        rid=last.rid,
+        index=index,
+        text="".join(o.text for o in outs),
+        token_ids=[t for o in outs for t in o.new_token_ids],
+        finish_reason=last.finish_reason,
+        matched_stop=last.matched_stop,
+        prompt_tokens=last.prompt_tokens,
+        cached_tokens=last.cached_tokens,
+        completion_tokens=last.completion_tokens,
+        logprobs=logprobs or None,
+        prompt_logprobs=prompt_logprobs,
+    )
 
 
 class Engine:
     def __init__(self, model: Optional[str] = None, **config: Any):
         self.config = EngineConfig.from_kwargs(model=model, **config)
         self.source = resolve_model(model)
-        self.tokenizer = None if self.config.skip_tokenizer_init else load_tokenizer(
-            resolve_model(self.config.tokenizer) if self.config.tokenizer else self.source)
+        self.tokenizer = (
+            None
+            if self.config.skip_tokenizer_init
+            else load_tokenizer(resolve_model(self.config.tokenizer) if self.config.tokenizer else self.source)
+        )
         self._requests: Dict[str, _Entry] = {}
         """Engine rid → its group and choice, until the core reports that choice over."""
         self._seed_rng = random.Random(self.config.random_seed)
@@ -139,8 +165,9 @@ class Engine:
         return ThreadCore(EngineCore(self.config, self.source, self.tokenizer), self._dispatch, self._on_dead)
 
     # ---- public API ------------------------------------------------------------------------
-    def generate(self, prompt: Union[Prompt, Sequence[Prompt]], sampling_params: Any = None,
-                 rid: Optional[str] = None) -> Union[GenerateOutput, List[GenerateOutput]]:
+    def generate(
+        self, prompt: Union[Prompt, Sequence[Prompt]], sampling_params: Any = None, rid: Optional[str] = None
+    ) -> Union[GenerateOutput, List[GenerateOutput]]:
         """Run prompts to completion (blocking).
 
         `prompt`: a string, a list of token ids, or a list of either (a batch).
@@ -162,8 +189,13 @@ class Engine:
         outs = [o for c in collectors for o in c.results()]
         return outs[0] if single and len(outs) == 1 else outs
 
-    async def generate_stream(self, prompt: Prompt, sampling_params: Any = None, rid: Optional[str] = None,
-                              remote_prefill: Optional[RemotePrefill] = None) -> AsyncIterator[StreamOutput]:
+    async def generate_stream(
+        self,
+        prompt: Prompt,
+        sampling_params: Any = None,
+        rid: Optional[str] = None,
+        remote_prefill: Optional[RemotePrefill] = None,
+    ) -> AsyncIterator[StreamOutput]:
         """Yield StreamOutputs (one per engine step with news, per choice) until every choice finishes.
         Cancelling the iterator (client disconnect) aborts the request and frees its pages.
 
@@ -177,8 +209,14 @@ class Engine:
         if remote_prefill is not None and params.n != 1:
             raise InvalidRequestError("n > 1 is not supported with a remote prefill", param="n")
         queue: "asyncio.Queue[Any]" = asyncio.Queue()
-        group = self._submit(self._check_prompt(prompt, params), params, rid, queue.put_nowait, loop,
-                             handoff="import" if remote_prefill is not None else None)
+        group = self._submit(
+            self._check_prompt(prompt, params),
+            params,
+            rid,
+            queue.put_nowait,
+            loop,
+            handoff="import" if remote_prefill is not None else None,
+        )
         pending = params.n
         try:
             while pending:
@@ -204,8 +242,7 @@ class Engine:
         params = SamplingParams.from_any(sampling_params)
         return self._submit(self._check_prompt(prompt, params), params, rid, on_output, loop).rid
 
-    async def prefill_for_handoff(self, prompt: Prompt, sampling_params: Any = None,
-                                  rid: Optional[str] = None) -> Any:
+    async def prefill_for_handoff(self, prompt: Prompt, sampling_params: Any = None, rid: Optional[str] = None) -> Any:
         """Disaggregation, prefill side: compute the prompt (reusing the radix cache), sample the first
         token, and return a PrefillHandoff naming the pages that hold the prompt's KV. Those pages stay
         held until `release_handoff(rid)` — the caller MUST call it once the transfer is over (done or
@@ -304,15 +341,17 @@ class Engine:
             return [list(prompt)], True
         if isinstance(prompt, Sequence) and prompt and all(isinstance(p, (str, list, tuple)) for p in prompt):
             return list(prompt), False
-        raise InvalidRequestError("prompt must be a non-empty string, a list of token ids, or a list of those",
-                                  param="prompt")
+        raise InvalidRequestError(
+            "prompt must be a non-empty string, a list of token ids, or a list of those", param="prompt"
+        )
 
     @staticmethod
     def _params_per_prompt(sampling_params, n: int) -> List[SamplingParams]:
         if isinstance(sampling_params, list):
             if len(sampling_params) != n:
-                raise InvalidRequestError(f"got {len(sampling_params)} sampling_params for {n} prompts",
-                                          param="sampling_params")
+                raise InvalidRequestError(
+                    f"got {len(sampling_params)} sampling_params for {n} prompts", param="sampling_params"
+                )
             return [SamplingParams.from_any(sp) for sp in sampling_params]
         params = SamplingParams.from_any(sampling_params)
         return [params] * n
@@ -320,31 +359,45 @@ class Engine:
     def _check_prompt(self, prompt: Prompt, params: SamplingParams) -> List[int]:
         """The prompt's token ids, checked against the vocabulary, the context and the KV pool."""
         if self.tokenizer is None and (params.stop or params.json_schema or params.regex or params.ebnf):
-            raise InvalidRequestError("stop strings and structured output need a tokenizer (skip_tokenizer_init)",
-                                      param="stop" if params.stop else "json_schema")
+            raise InvalidRequestError(
+                "stop strings and structured output need a tokenizer (skip_tokenizer_init)",
+                param="stop" if params.stop else "json_schema",
+            )
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise InvalidRequestError("this engine has no tokenizer (skip_tokenizer_init): give token ids",
-                                          param="prompt")
+                raise InvalidRequestError(
+                    "this engine has no tokenizer (skip_tokenizer_init): give token ids", param="prompt"
+                )
             ids = self.tokenizer.encode(prompt)
         else:
             ids = list(prompt)
             bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
             if bad:
-                raise InvalidRequestError(f"token ids must be in [0, {self.vocab_size}), got {bad[:4]}",
-                                          param="prompt")
+                raise InvalidRequestError(f"token ids must be in [0, {self.vocab_size}), got {bad[:4]}", param="prompt")
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         if len(ids) >= self.context_len:
-            raise PromptTooLongError(f"the prompt has {len(ids)} tokens; the context length is {self.context_len} "
-                                     f"(at least one token must be left to generate)", param="prompt")
+            raise PromptTooLongError(
+                f"the prompt has {len(ids)} tokens; the context length is {self.context_len} "
+                f"(at least one token must be left to generate)",
+                param="prompt",
+            )
         if len(ids) + self.info.page_size > self.info.kv_capacity_tokens:
-            raise PromptTooLongError(f"the prompt has {len(ids)} tokens; the KV pool holds only "
-                                     f"{self.info.kv_capacity_tokens}", param="prompt")
+            raise PromptTooLongError(
+                f"the prompt has {len(ids)} tokens; the KV pool holds only {self.info.kv_capacity_tokens}",
+                param="prompt",
+            )
         return ids
 
-    def _submit(self, ids: List[int], params: SamplingParams, rid: Optional[str], sink: Sink,
-                loop: Optional[asyncio.AbstractEventLoop], handoff: Optional[str] = None) -> _Group:
+    def _submit(
+        self,
+        ids: List[int],
+        params: SamplingParams,
+        rid: Optional[str],
+        sink: Sink,
+        loop: Optional[asyncio.AbstractEventLoop],
+        handoff: Optional[str] = None,
+    ) -> _Group:
         """Register the group's choices and send it to the core."""
         self.core.raise_if_dead()
         rid = rid or uuid.uuid4().hex
@@ -372,8 +425,11 @@ class Engine:
                 continue
             # Over here: finished or failed; an export is over once its handoff is out (the core frees
             # it on release_handoff without another output).
-            if (out.finish_reason is not None or out.error is not None
-                    or (out.handoff is not None and entry.group.handoff == "export")):
+            if (
+                out.finish_reason is not None
+                or out.error is not None
+                or (out.handoff is not None and entry.group.handoff == "export")
+            ):
                 del self._requests[out.rid]
             loop = entry.group.loop
             if loop is None or loop is here:

@@ -8,6 +8,7 @@ prefix or earlier chunks); this forward writes positions
 
 DECODE is the special case of one new token per request (T == batch_size).
 """
+
 from __future__ import annotations
 
 import enum
@@ -61,9 +62,17 @@ class ForwardBatch:
         return self.extend_start_loc + self.extend_seq_lens - 1
 
     @classmethod
-    def build(cls, mode: ForwardMode, input_ids: List[int], positions: List[int], out_cache_loc: torch.Tensor,
-              req_pool_indices: List[int], seq_lens: List[int], prefix_lens: List[int],
-              device: torch.device) -> "ForwardBatch":
+    def build(
+        cls,
+        mode: ForwardMode,
+        input_ids: List[int],
+        positions: List[int],
+        out_cache_loc: torch.Tensor,
+        req_pool_indices: List[int],
+        seq_lens: List[int],
+        prefix_lens: List[int],
+        device: torch.device,
+    ) -> "ForwardBatch":
         """Build from host lists; `out_cache_loc` is already a tensor (from the allocator)."""
         extend_lens = [s - p for s, p in zip(seq_lens, prefix_lens)]
         starts, acc = [], 0
@@ -82,10 +91,18 @@ class ForwardBatch:
         fields = to_device(host, device).split(sizes)
         loc = fields[7] if loc_on_host else out_cache_loc.to(device=device, dtype=torch.int64)
         return cls(
-            forward_mode=mode, batch_size=len(seq_lens),
-            input_ids=fields[0], positions=fields[1], out_cache_loc=loc,
-            req_pool_indices=fields[2], seq_lens=fields[3],
-            extend_prefix_lens=fields[4], extend_seq_lens=fields[5], extend_start_loc=fields[6],
-            seq_lens_cpu=list(seq_lens), extend_prefix_lens_cpu=list(prefix_lens), extend_seq_lens_cpu=extend_lens,
+            forward_mode=mode,
+            batch_size=len(seq_lens),
+            input_ids=fields[0],
+            positions=fields[1],
+            out_cache_loc=loc,
+            req_pool_indices=fields[2],
+            seq_lens=fields[3],
+            extend_prefix_lens=fields[4],
+            extend_seq_lens=fields[5],
+            extend_start_loc=fields[6],
+            seq_lens_cpu=list(seq_lens),
+            extend_prefix_lens_cpu=list(prefix_lens),
+            extend_seq_lens_cpu=extend_lens,
             extend_start_loc_cpu=starts,
         )

@@ -6,6 +6,7 @@ that they pickle compactly across the process boundary between an Engine and its
         ──StreamOutput (per step, per choice; text made by engine.text.OutputText)──▶ caller
         ──GenerateOutput (whole choice, the sync API)
 """
+
 from __future__ import annotations
 
 import enum
@@ -14,9 +15,9 @@ from typing import Any, List, Optional
 
 
 class FinishReason(str, enum.Enum):
-    STOP = "stop"          # EOS, a stop token id, a stop string, or a completed grammar
-    LENGTH = "length"      # max_new_tokens or the context length
-    ABORT = "abort"        # aborted by the caller or the engine
+    STOP = "stop"  # EOS, a stop token id, a stop string, or a completed grammar
+    LENGTH = "length"  # max_new_tokens or the context length
+    ABORT = "abort"  # aborted by the caller or the engine
 
 
 @dataclass
@@ -53,9 +54,22 @@ class ReqOutput:
     def __reduce__(self):
         # One message per step carries one of these per running request: a positional tuple pickles in
         # half the time of the default field dict and unpickles three times faster.
-        return (ReqOutput, (self.rid, self.new_token_ids, self.logprobs, self.finish_reason, self.matched_stop,
-                            self.prompt_tokens, self.cached_tokens, self.completion_tokens, self.error,
-                            self.prompt_logprobs, self.handoff))
+        return (
+            ReqOutput,
+            (
+                self.rid,
+                self.new_token_ids,
+                self.logprobs,
+                self.finish_reason,
+                self.matched_stop,
+                self.prompt_tokens,
+                self.cached_tokens,
+                self.completion_tokens,
+                self.error,
+                self.prompt_logprobs,
+                self.handoff,
+            ),
+        )
 
 
 @dataclass
@@ -77,9 +91,22 @@ class StreamOutput:
 
     def __reduce__(self):
         # A cluster worker sends one of these per request per engine step: pickled as a positional tuple.
-        return (StreamOutput, (self.rid, self.index, self.new_token_ids, self.text, self.logprobs, self.finish_reason,
-                               self.matched_stop, self.prompt_tokens, self.cached_tokens, self.completion_tokens,
-                               self.prompt_logprobs))
+        return (
+            StreamOutput,
+            (
+                self.rid,
+                self.index,
+                self.new_token_ids,
+                self.text,
+                self.logprobs,
+                self.finish_reason,
+                self.matched_stop,
+                self.prompt_tokens,
+                self.cached_tokens,
+                self.completion_tokens,
+                self.prompt_logprobs,
+            ),
+        )
 
 
 @dataclass

@@ -14,6 +14,7 @@ fill_ids, so its KV is rebuilt (mostly from the cache) and sampling continues.
 Its `grammar` (structured output) has consumed exactly output_ids and is kept
 as is: nothing is re-accepted on resume.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, List, Optional
@@ -25,9 +26,18 @@ from engine.sampling_params import SamplingParams
 
 
 class Req:
-    def __init__(self, rid: str, input_ids: List[int], params: SamplingParams, seed: int,
-                 eos_token_ids: frozenset, on_output: Callable[[ReqOutput], None],
-                 wait_for: Optional["Req"] = None, grammar=None, handoff: Optional[str] = None):
+    def __init__(
+        self,
+        rid: str,
+        input_ids: List[int],
+        params: SamplingParams,
+        seed: int,
+        eos_token_ids: frozenset,
+        on_output: Callable[[ReqOutput], None],
+        wait_for: Optional["Req"] = None,
+        grammar=None,
+        handoff: Optional[str] = None,
+    ):
         self.rid = rid
         self.origin_input_ids = list(input_ids)
         self.output_ids: List[int] = []
@@ -76,8 +86,10 @@ class Req:
     @property
     def needs_prompt_logprobs(self) -> bool:
         """True until the logprob of every prompt token after the first has been computed."""
-        return (self.sampling_params.prompt_logprobs is not None
-                and len(self.prompt_logprobs) < len(self.origin_input_ids) - 1)
+        return (
+            self.sampling_params.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < len(self.origin_input_ids) - 1
+        )
 
     @property
     def finished(self) -> bool:
@@ -110,5 +122,7 @@ class Req:
         self.extend_len = 0
 
     def __repr__(self) -> str:
-        return (f"Req(rid={self.rid!r}, prompt={len(self.origin_input_ids)}, out={len(self.output_ids)}, "
-                f"kv_len={self.kv_len}, prefix_len={self.prefix_len}, finish={self.finish_reason})")
+        return (
+            f"Req(rid={self.rid!r}, prompt={len(self.origin_input_ids)}, out={len(self.output_ids)}, "
+            f"kv_len={self.kv_len}, prefix_len={self.prefix_len}, finish={self.finish_reason})"
+        )

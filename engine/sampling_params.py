@@ -1,4 +1,5 @@
 """SamplingParams: SGLang's field names, validated with typed errors."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -93,14 +94,22 @@ class SamplingParams:
         check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
         check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
         check(is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1")
-        check(is_int(self.top_logprobs) and 0 <= self.top_logprobs <= _MAX_TOP_LOGPROBS, "top_logprobs",
-              f"must be an integer in [0, {_MAX_TOP_LOGPROBS}]")
+        check(
+            is_int(self.top_logprobs) and 0 <= self.top_logprobs <= _MAX_TOP_LOGPROBS,
+            "top_logprobs",
+            f"must be an integer in [0, {_MAX_TOP_LOGPROBS}]",
+        )
         check(self.seed is None or is_int(self.seed), "seed", "must be an integer or None")
-        check(self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and
-                                               0 <= self.prompt_logprobs <= _MAX_TOP_LOGPROBS),
-              "prompt_logprobs", f"must be None or an integer in [0, {_MAX_TOP_LOGPROBS}]")
+        check(
+            self.prompt_logprobs is None
+            or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= _MAX_TOP_LOGPROBS),
+            "prompt_logprobs",
+            f"must be None or an integer in [0, {_MAX_TOP_LOGPROBS}]",
+        )
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         check(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be token ids >= 0")
         constraints = [c for c in (self.json_schema, self.regex, self.ebnf) if c is not None]
         check(len(constraints) <= 1, "json_schema", "cannot be combined with regex or ebnf (give one constraint)")
-        check(all(isinstance(c, str) and c for c in constraints), "json_schema", "/regex/ebnf must be non-empty strings")
+        check(
+            all(isinstance(c, str) and c for c in constraints), "json_schema", "/regex/ebnf must be non-empty strings"
+        )

@@ -10,6 +10,7 @@ ingress (which receives its workers' token ids) both make text with this class, 
 engine.tokenizer.TextStream per choice, so the text, the stop point and completion_tokens are the
 same wherever a request runs. It keeps detokenization out of the scheduler's loop.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,8 +23,9 @@ class OutputText:
     """The text of one request's choices, made from the token ids its worker streams."""
 
     def __init__(self, tokenizer: Any, input_ids: List[int], params: Any):
-        self.texts = [TextStream(tokenizer, input_ids, params.skip_special_tokens, params.stop)
-                      for _ in range(params.n)]
+        self.texts = [
+            TextStream(tokenizer, input_ids, params.skip_special_tokens, params.stop) for _ in range(params.n)
+        ]
         self.done = [False] * params.n
         """Per choice: its last output has been returned (finished on the worker, or stopped here)."""
 
@@ -41,9 +43,14 @@ class OutputText:
                 self.done[i] = True
                 extra = len(out.new_token_ids) - (k + 1)
                 return dataclasses.replace(
-                    out, new_token_ids=out.new_token_ids[:k + 1], text="".join(pieces),
-                    logprobs=None if out.logprobs is None else out.logprobs[:k + 1], finish_reason="stop",
-                    matched_stop=matched, completion_tokens=out.completion_tokens - extra)
+                    out,
+                    new_token_ids=out.new_token_ids[: k + 1],
+                    text="".join(pieces),
+                    logprobs=None if out.logprobs is None else out.logprobs[: k + 1],
+                    finish_reason="stop",
+                    matched_stop=matched,
+                    completion_tokens=out.completion_tokens - extra,
+                )
         if out.finish_reason is not None:
             self.done[i] = True
             pieces.append(text.finish())

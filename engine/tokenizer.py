@@ -9,6 +9,7 @@ Data flow (tokenize once, at the front end: docs/design.md):
 The tokenizer and chat template come from `transformers` (a Hugging Face folder, or the
 tokenizer embedded in a GGUF file); nothing here re-implements either.
 """
+
 from __future__ import annotations
 
 import functools
@@ -98,8 +99,13 @@ class Tokenizer:
         """Text of `ids`; incomplete UTF-8 sequences decode to U+FFFD."""
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
-    def chat_prompt_text(self, messages: list[dict], tools: Optional[list[dict]] = None,
-                         add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
+    def chat_prompt_text(
+        self,
+        messages: list[dict],
+        tools: Optional[list[dict]] = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
         """The model's chat template rendered over `messages` (and `tools`), as text.
 
         `template_kwargs` go to the template (e.g. `continue_final_message=True`, or
@@ -108,22 +114,29 @@ class Tokenizer:
         malformed, or the template rejects them.
         """
         if not self.has_chat_template:
-            raise InvalidRequestError("this model's tokenizer has no chat template; send a plain prompt instead",
-                                      param="messages")
+            raise InvalidRequestError(
+                "this model's tokenizer has no chat template; send a plain prompt instead", param="messages"
+            )
         _check_messages(messages)
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise InvalidRequestError("tools must be a list of objects", param="tools")
         from jinja2 import TemplateError
 
         try:
-            text = self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                               tokenize=False, **template_kwargs)
+            text = self.hf.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs
+            )
         except (TemplateError, TypeError, ValueError, KeyError, IndexError) as exc:
             raise InvalidRequestError(f"the chat template rejected the messages: {exc}", param="messages") from exc
         return text
 
-    def apply_chat_template(self, messages: list[dict], tools: Optional[list[dict]] = None,
-                            add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        tools: Optional[list[dict]] = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> list[int]:
         """Token ids of `chat_prompt_text(...)`. The rendered text already holds the template's
         special tokens, so it is encoded without adding any (as transformers does)."""
         text = self.chat_prompt_text(messages, tools, add_generation_prompt, **template_kwargs)
@@ -141,8 +154,9 @@ def _check_messages(messages: Any) -> None:
         if not isinstance(m.get("role"), str) or not m["role"]:
             raise InvalidRequestError(f"messages[{i}] needs a non-empty string 'role'", param="messages")
         if not isinstance(m.get("content"), (str, list, type(None))):
-            raise InvalidRequestError(f"messages[{i}].content must be a string, a list of parts, or null",
-                                      param="messages")
+            raise InvalidRequestError(
+                f"messages[{i}].content must be a string, a list of parts, or null", param="messages"
+            )
 
 
 class IncrementalDetokenizer:
@@ -164,12 +178,13 @@ class IncrementalDetokenizer:
 
     CONTEXT_TOKENS = 5
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Optional[Sequence[int]] = None,
-                 skip_special_tokens: bool = True):
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Optional[Sequence[int]] = None, skip_special_tokens: bool = True
+    ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.text = ""
-        context = list(prompt_ids[-self.CONTEXT_TOKENS:]) if prompt_ids else []
+        context = list(prompt_ids[-self.CONTEXT_TOKENS :]) if prompt_ids else []
         if self._decode(context).endswith(REPLACEMENT_CHAR):
             context = []  # the prompt ends inside a character: the output cannot reuse it as context
         # ids[0:read_offset] is context already accounted for; ids[read_offset:] is not yet emitted.
@@ -195,9 +210,9 @@ class IncrementalDetokenizer:
         new_text = self._decode(self._ids)
         if len(new_text) <= len(self._prefix_text) or (new_text.endswith(REPLACEMENT_CHAR) and not final):
             return ""
-        delta = new_text[len(self._prefix_text):]
+        delta = new_text[len(self._prefix_text) :]
         # The window slides: the run just emitted becomes the next window's left context.
-        del self._ids[:self._read_offset]
+        del self._ids[: self._read_offset]
         self._read_offset = len(self._ids)
         self._prefix_text = self._decode(self._ids)
         self.text += delta
@@ -248,10 +263,10 @@ class StopStringMatcher:
                 best = (start + len(s), start, s)
         if best is not None:
             self.stopped, self.matched, self._held = True, best[2], ""
-            return StopResult(buf[:best[1]], True, best[2])
+            return StopResult(buf[: best[1]], True, best[2])
         hold = self._partial_len(buf)
-        self._held = buf[len(buf) - hold:] if hold else ""
-        return StopResult(buf[:len(buf) - hold], False, None)
+        self._held = buf[len(buf) - hold :] if hold else ""
+        return StopResult(buf[: len(buf) - hold], False, None)
 
     def _partial_len(self, buf: str) -> int:
         """Length of the longest tail of `buf` that is a proper prefix of some stop string."""
@@ -282,8 +297,13 @@ class TextStream:
       prefix) when the output ends for another reason (EOS, stop token, length, abort).
     """
 
-    def __init__(self, tokenizer: "Tokenizer", prompt_ids: Optional[Sequence[int]] = None,
-                 skip_special_tokens: bool = True, stop: Sequence[str] = ()):
+    def __init__(
+        self,
+        tokenizer: "Tokenizer",
+        prompt_ids: Optional[Sequence[int]] = None,
+        skip_special_tokens: bool = True,
+        stop: Sequence[str] = (),
+    ):
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
         self.stop_matcher = StopStringMatcher(stop) if stop else None
 

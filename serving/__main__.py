@@ -5,6 +5,7 @@ tokenizer, text and SSE; the Engine's core (scheduler, model, KV cache) runs in 
 
 Engine options are generated from engine.config.EngineConfig's fields (their metadata 'help').
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="Model name clients send (default: from --model).")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("RADIXSERVE_API_KEY"),
-                   help="Require 'Authorization: Bearer KEY' on /v1/* and /generate (env RADIXSERVE_API_KEY).")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("RADIXSERVE_API_KEY"),
+        help="Require 'Authorization: Bearer KEY' on /v1/* and /generate (env RADIXSERVE_API_KEY).",
+    )
     p.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024, help="Larger request bodies get 413.")
     p.add_argument("--log-level", default="info")
     group = p.add_argument_group("engine options (engine.config.EngineConfig)")
@@ -59,8 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         default = SERVER_DEFAULTS.get(f.name, f.default)
         help_ = f"{f.metadata.get('help', '')} (default: {default})"
         if is_bool:
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
-                               help=help_)
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=help_)
         else:
             group.add_argument(flag, dest=f.name, type=tp, choices=choices, default=default, help=help_)
     return p
@@ -81,11 +84,16 @@ def main(argv: Optional[List[str]] = None) -> None:
     from serving.app import build_app
     from serving.backend import EngineBackend
 
-    engine_opts: dict[str, Any] = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
-                                   if f.name not in _SERVER_FIELDS}
+    engine_opts: dict[str, Any] = {
+        f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name not in _SERVER_FIELDS
+    }
     engine = Engine(args.model, **engine_opts)
-    app = build_app(EngineBackend(engine), api_key=args.api_key, model_name=args.served_model_name or
-                    default_model_name(args.model), max_body_bytes=args.max_body_bytes)
+    app = build_app(
+        EngineBackend(engine),
+        api_key=args.api_key,
+        model_name=args.served_model_name or default_model_name(args.model),
+        max_body_bytes=args.max_body_bytes,
+    )
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:

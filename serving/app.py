@@ -6,6 +6,7 @@ the body and replays it) and check the API key on /v1/* and /generate (`_ApiKeyA
 routes (openai_routes, generate_routes) translate to token ids and SamplingParams and stream from
 the backend. The cluster ingress builds the same app over its own backend.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -23,16 +24,25 @@ from serving.state import ServingState
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 
 
-def build_app(backend: ServingBackend, *, api_key: Optional[str] = None, model_name: str,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, title: str = "radixserve") -> FastAPI:
+def build_app(
+    backend: ServingBackend,
+    *,
+    api_key: Optional[str] = None,
+    model_name: str,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    title: str = "radixserve",
+) -> FastAPI:
     """The OpenAI-compatible app serving `backend` under `model_name`.
 
     `api_key`: when set, /v1/* and /generate need `Authorization: Bearer <api_key>` (401
     otherwise); /health and /metrics stay open. `max_body_bytes`: larger bodies get a 413.
     """
-    app = FastAPI(title=title, version="0.1.0",
-                  description="OpenAI-compatible API (completions, chat completions, models, tokenize) "
-                              "and SGLang's native /generate.")
+    app = FastAPI(
+        title=title,
+        version="0.1.0",
+        description="OpenAI-compatible API (completions, chat completions, models, tokenize) "
+        "and SGLang's native /generate.",
+    )
     metrics = Metrics(model_name)
     app.state.serving = ServingState(backend=backend, model_name=model_name, metrics=metrics)
     install_error_handlers(app)
@@ -57,8 +67,13 @@ class _ApiKeyAuth:
         if scope["type"] == "http" and _protected(scope["path"]):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
-                resp = error_response(401, "invalid or missing API key (send Authorization: Bearer <key>)", None,
-                                      "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                resp = error_response(
+                    401,
+                    "invalid or missing API key (send Authorization: Bearer <key>)",
+                    None,
+                    "invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
                 await resp(scope, receive, send)
                 return
         await self.app(scope, receive, send)

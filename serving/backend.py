@@ -12,6 +12,7 @@ Contract of `generate_stream(input_ids, params, rid)`:
 - when the consumer stops early (closes or cancels the iterator), the request is aborted and
   every KV page it held is freed. `abort(rid)` does the same from outside.
 """
+
 from __future__ import annotations
 
 import abc
@@ -35,8 +36,7 @@ class ServingBackend(abc.ABC):
         return self.tokenizer.vocab_size
 
     @abc.abstractmethod
-    def generate_stream(self, input_ids: List[int], params: SamplingParams,
-                        rid: str) -> AsyncIterator[Any]:
+    def generate_stream(self, input_ids: List[int], params: SamplingParams, rid: str) -> AsyncIterator[Any]:
         """An async iterator of StreamOutput (see the module docstring for the contract)."""
 
     @abc.abstractmethod

@@ -7,6 +7,7 @@
 Tool modes (`ChatPlan.tool_mode`): None (no tools or tool_choice "none"), "auto" (output parsed
 for a call), "forced" ("required" or a named function: the output is constrained to a call).
 """
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,16 @@ from fastapi import APIRouter, Request
 from serving import tool_calls as tc
 from serving.chat_stream import chat_events, logprob_entries
 from serving.errors import APIError
-from serving.protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatMessage,
-                              ChoiceLogprobs, Tool, new_id)
+from serving.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    ChoiceLogprobs,
+    Tool,
+    new_id,
+)
 from serving.state import ServingState, get_state
 from serving.streams import GenerationStream, SSEResponse, cancel_on_disconnect, collect, sse_events
 
@@ -35,8 +44,9 @@ def flatten_content(content: Any, where: str) -> str:
     texts = []
     for part in content:
         if part.type != "text" or part.text is None:
-            raise APIError(400, f"{where}: only text content parts are supported, got {part.type!r}", "messages",
-                           "unsupported")
+            raise APIError(
+                400, f"{where}: only text content parts are supported, got {part.type!r}", "messages", "unsupported"
+            )
         texts.append(part.text)
     return "\n".join(texts)
 
@@ -46,18 +56,20 @@ def template_messages(messages: List[ChatMessage], renders_tools: bool) -> List[
     tool calls become the JSON the model was asked to produce."""
     out = []
     for i, m in enumerate(messages):
-        msg: Dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
-                               "content": flatten_content(m.content, f"messages[{i}]")}
+        msg: Dict[str, Any] = {
+            "role": "system" if m.role == "developer" else m.role,
+            "content": flatten_content(m.content, f"messages[{i}]"),
+        }
         if m.name:
             msg["name"] = m.name
         if m.tool_call_id:
             msg["tool_call_id"] = m.tool_call_id
         if m.tool_calls:
-            calls = [{"name": c.function.name, "arguments": _loads_or_str(c.function.arguments)}
-                     for c in m.tool_calls]
+            calls = [{"name": c.function.name, "arguments": _loads_or_str(c.function.arguments)} for c in m.tool_calls]
             if renders_tools:
-                msg["tool_calls"] = [{"id": c.id, "type": "function", "function": f}
-                                     for c, f in zip(m.tool_calls, calls)]
+                msg["tool_calls"] = [
+                    {"id": c.id, "type": "function", "function": f} for c, f in zip(m.tool_calls, calls)
+                ]
             else:
                 rendered = "\n".join(json.dumps(c, ensure_ascii=False) for c in calls)
                 msg["content"] = f"{msg['content']}\n{rendered}".strip()
@@ -91,8 +103,9 @@ def plan_chat(st: ServingState, body: ChatCompletionRequest) -> ChatPlan:
     try:
         allowed = tc.selected_tools(tools, choice) if tools else []
     except KeyError as exc:
-        raise APIError(400, f"tool_choice names an unknown function {exc.args[0]!r}", "tool_choice",
-                       "invalid_request") from exc
+        raise APIError(
+            400, f"tool_choice names an unknown function {exc.args[0]!r}", "tool_choice", "invalid_request"
+        ) from exc
     tool_mode = None if choice == "none" else "auto" if choice == "auto" else "forced"
     renders = bool(tool_mode) and tc.template_renders_tools(st.tokenizer)
     messages = template_messages(body.messages, renders)
@@ -104,9 +117,12 @@ def plan_chat(st: ServingState, body: ChatCompletionRequest) -> ChatPlan:
     kwargs = {}
     if body.continue_final_message:
         kwargs["continue_final_message"] = True
-    ids = st.tokenizer.apply_chat_template(messages, tools=template_tools,
-                                           add_generation_prompt=body.add_generation_prompt and
-                                           not body.continue_final_message, **kwargs)
+    ids = st.tokenizer.apply_chat_template(
+        messages,
+        tools=template_tools,
+        add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+        **kwargs,
+    )
     schema = None
     if tool_mode == "forced":
         schema = json.dumps(tc.call_schema(allowed))
@@ -115,14 +131,16 @@ def plan_chat(st: ServingState, body: ChatCompletionRequest) -> ChatPlan:
     elif body.response_format is not None and body.response_format.type == "json_schema":
         fmt = body.response_format.json_schema
         if fmt is None or fmt.schema_ is None:
-            raise APIError(400, "response_format.json_schema.schema is required", "response_format",
-                           "invalid_request")
+            raise APIError(400, "response_format.json_schema.schema is required", "response_format", "invalid_request")
         schema = json.dumps(fmt.schema_)
     return ChatPlan(ids, schema, tool_mode, allowed)
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={200: {"content": {
-    "text/event-stream": {}}}})
+@router.post(
+    "/v1/chat/completions",
+    response_model=ChatCompletionResponse,
+    responses={200: {"content": {"text/event-stream": {}}}},
+)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     st = get_state(request)
     st.check_model(body.model)
@@ -132,8 +150,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     st.check_ids(plan.prompt_ids, "messages")
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = st.check_context(len(plan.prompt_ids), requested, "messages")
-    params = st.sampling_params(body, max_tokens, logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0,
-                                json_schema=plan.json_schema)
+    params = st.sampling_params(
+        body, max_tokens, logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0, json_schema=plan.json_schema
+    )
     rid = new_id("chatcmpl")
     stream = await GenerationStream.start(st.backend, [plan.prompt_ids], params, rid, st.metrics.timer())
     if body.stream:
@@ -145,7 +164,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         calls = tc.parse_tool_calls(text, plan.tools) if plan.tool_mode else None
         message = AssistantMessage(content=None if calls else text, tool_calls=calls)
         lps = ChoiceLogprobs(content=logprob_entries(st, s.logprobs)) if body.logprobs else None
-        choices.append(ChatChoice(index=k, message=message, logprobs=lps,
-                                  finish_reason="tool_calls" if calls else finish))
+        choices.append(
+            ChatChoice(index=k, message=message, logprobs=lps, finish_reason="tool_calls" if calls else finish)
+        )
     usage = st.usage(states[0].prompt_tokens, states[0].cached_tokens, sum(s.completion_tokens for s in states))
     return ChatCompletionResponse(id=rid, model=st.model_name, choices=choices, usage=usage)

@@ -7,6 +7,7 @@ then sent as OpenAI tool-call deltas (id, type and name first, then the argument
 finish_reason "tool_calls". With "auto", text is held only while it may still become a call
 (it starts like JSON or <tool_call>); once it cannot, it streams as content.
 """
+
 from __future__ import annotations
 
 import time
@@ -27,8 +28,10 @@ def logprob_entries(st: ServingState, logprobs: List[Any]) -> List[TokenLogprobE
     entries = []
     for lp in logprobs:
         tok = st.token_str(lp.token_id)
-        tops = [TopLogprob(token=st.token_str(t), logprob=v, bytes=list(st.token_str(t).encode()))
-                for t, v in lp.top_logprobs]
+        tops = [
+            TopLogprob(token=st.token_str(t), logprob=v, bytes=list(st.token_str(t).encode()))
+            for t, v in lp.top_logprobs
+        ]
         entries.append(TokenLogprobEntry(token=tok, logprob=lp.logprob, bytes=list(tok.encode()), top_logprobs=tops))
     return entries
 
@@ -43,8 +46,9 @@ class _Choice:
         self.held_logprobs: List[Any] = []
 
 
-async def chat_events(st: ServingState, body: "ChatCompletionRequest", plan: "ChatPlan", rid: str,
-                      stream: GenerationStream) -> AsyncIterator[str]:
+async def chat_events(
+    st: ServingState, body: "ChatCompletionRequest", plan: "ChatPlan", rid: str, stream: GenerationStream
+) -> AsyncIterator[str]:
     created = int(time.time())
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     usage = UsageTracker()
@@ -54,9 +58,13 @@ async def chat_events(st: ServingState, body: "ChatCompletionRequest", plan: "Ch
         lps = None
         if body.logprobs and logprobs is not None:
             lps = {"content": [e.model_dump() for e in logprob_entries(st, logprobs)]}
-        data: Dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                                "model": st.model_name,
-                                "choices": [{"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish}]}
+        data: Dict[str, Any] = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": st.model_name,
+            "choices": [{"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish}],
+        }
         if include_usage:
             data["usage"] = None
         return sse(data)
@@ -85,14 +93,33 @@ async def chat_events(st: ServingState, body: "ChatCompletionRequest", plan: "Ch
             if calls:
                 finish = "tool_calls"
                 for j, call in enumerate(calls):
-                    yield chunk(out.index, {"tool_calls": [{"index": j, "id": call.id, "type": "function",
-                                                            "function": {"name": call.function.name,
-                                                                         "arguments": ""}}]})
-                    yield chunk(out.index, {"tool_calls": [{"index": j, "function": {
-                        "arguments": call.function.arguments}}]})
+                    yield chunk(
+                        out.index,
+                        {
+                            "tool_calls": [
+                                {
+                                    "index": j,
+                                    "id": call.id,
+                                    "type": "function",
+                                    "function": {"name": call.function.name, "arguments": ""},
+                                }
+                            ]
+                        },
+                    )
+                    yield chunk(
+                        out.index, {"tool_calls": [{"index": j, "function": {"arguments": call.function.arguments}}]}
+                    )
             elif text or c.held_logprobs:
                 yield chunk(out.index, {"content": text}, c.held_logprobs)
         yield chunk(out.index, {}, None, finish)
     if include_usage:
-        yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model_name,
-                   "choices": [], "usage": usage.usage().model_dump()})
+        yield sse(
+            {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": st.model_name,
+                "choices": [],
+                "usage": usage.usage().model_dump(),
+            }
+        )

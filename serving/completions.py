@@ -5,6 +5,7 @@ format (tokens, token_logprobs, top_logprobs with k alternatives, text_offset). 
 the prompt text; with `logprobs` it also prepends the prompt tokens' logprobs (the first prompt
 token has none: null), computed by the engine's `prompt_logprobs` (as lm-eval-harness uses them).
 """
+
 from __future__ import annotations
 
 from typing import Any, AsyncIterator, Dict, List, Optional
@@ -19,8 +20,9 @@ from serving.streams import GenerationStream, SSEResponse, cancel_on_disconnect,
 router = APIRouter()
 
 
-def legacy_logprobs(st: ServingState, logprobs: List[Any], offset: int,
-                    out: Optional[CompletionLogprobs] = None) -> CompletionLogprobs:
+def legacy_logprobs(
+    st: ServingState, logprobs: List[Any], offset: int, out: Optional[CompletionLogprobs] = None
+) -> CompletionLogprobs:
     """The legacy completions logprobs of `logprobs` (engine TokenLogprobs), text offsets from `offset`,
     appended to `out` when given."""
     out = out if out is not None else CompletionLogprobs()
@@ -48,8 +50,9 @@ def _check(body: CompletionRequest) -> None:
         raise APIError(400, "best_of must equal n (or be null)", "best_of", "unsupported")
 
 
-@router.post("/v1/completions", response_model=CompletionResponse, responses={200: {"content": {
-    "text/event-stream": {}}}})
+@router.post(
+    "/v1/completions", response_model=CompletionResponse, responses={200: {"content": {"text/event-stream": {}}}}
+)
 async def create_completion(body: CompletionRequest, request: Request):
     st = get_state(request)
     st.check_model(body.model)
@@ -59,8 +62,13 @@ async def create_completion(body: CompletionRequest, request: Request):
     for ids in prompts:
         st.check_context(len(ids), max_tokens, "prompt")
     echo_lps = body.echo and body.logprobs is not None
-    params = st.sampling_params(body, max_tokens, logprobs=body.logprobs is not None,
-                                top_logprobs=body.logprobs or 0, prompt_logprobs=body.logprobs if echo_lps else None)
+    params = st.sampling_params(
+        body,
+        max_tokens,
+        logprobs=body.logprobs is not None,
+        top_logprobs=body.logprobs or 0,
+        prompt_logprobs=body.logprobs if echo_lps else None,
+    )
     rid = new_id("cmpl")
     echo = [st.tokenizer.decode(ids) if body.echo else "" for ids in prompts]
     stream = await GenerationStream.start(st.backend, prompts, params, rid, st.metrics.timer())
@@ -75,16 +83,26 @@ async def create_completion(body: CompletionRequest, request: Request):
         if body.logprobs is not None:
             head = echo_logprobs(st, prompts[k // n], s.prompt_logprobs or []) if echo_lps else None
             lps = legacy_logprobs(st, s.logprobs, len(prefix), head)
-        choices.append(CompletionChoice(index=k, text=prefix + s.full_text, logprobs=lps,
-                                        finish_reason=s.finish_reason))
+        choices.append(
+            CompletionChoice(index=k, text=prefix + s.full_text, logprobs=lps, finish_reason=s.finish_reason)
+        )
     heads = states[::n]
-    usage = st.usage(sum(s.prompt_tokens for s in heads), sum(s.cached_tokens for s in heads),
-                     sum(s.completion_tokens for s in states))
+    usage = st.usage(
+        sum(s.prompt_tokens for s in heads),
+        sum(s.cached_tokens for s in heads),
+        sum(s.completion_tokens for s in states),
+    )
     return CompletionResponse(id=rid, model=st.model_name, choices=choices, usage=usage)
 
 
-async def _events(st: ServingState, body: CompletionRequest, rid: str, stream: GenerationStream,
-                  echo: List[str], prompts: List[List[int]]) -> AsyncIterator[str]:
+async def _events(
+    st: ServingState,
+    body: CompletionRequest,
+    rid: str,
+    stream: GenerationStream,
+    echo: List[str],
+    prompts: List[List[int]],
+) -> AsyncIterator[str]:
     n = stream.n
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     offsets: Dict[int, int] = {}

@@ -8,6 +8,7 @@ with: 400 invalid request (pydantic validation included, FastAPI's 422 becomes 4
 missing API key, 404 unknown route, 413 body too large, 503 queue full / engine down. Bad input
 never reaches the 500 handler; that one exists so a bug still answers in the same shape.
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,9 +23,17 @@ from engine.errors import EngineDeadError, EngineError, InvalidRequestError, Que
 
 logger = logging.getLogger(__name__)
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
-          429: "rate_limit_error", 503: "service_unavailable", 500: "internal_server_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+    500: "internal_server_error",
+}
 
 
 class APIError(Exception):
@@ -36,12 +45,14 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: Optional[str] = None, code: Any = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
+    return {
+        "error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param, "code": code}
+    }
 
 
-def error_response(status: int, message: str, param: Optional[str] = None, code: Any = None,
-                   headers: Optional[dict] = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, param: Optional[str] = None, code: Any = None, headers: Optional[dict] = None
+) -> JSONResponse:
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 

@@ -5,6 +5,7 @@ SGLang's names. It answers one object per choice ({"text", "output_ids", "meta_i
 a batch or n > 1; streamed, every event carries the choice's text and ids so far (SGLang's
 default), then `data: [DONE]`.
 """
+
 from __future__ import annotations
 
 from typing import Any, AsyncIterator, Dict, List
@@ -48,8 +49,13 @@ def _meta(rid: str, s: ChoiceState, body: GenerateRequest) -> Dict[str, Any]:
             finish["matched"] = s.matched_stop
         elif s.finish_reason == "length":
             finish["length"] = s.completion_tokens
-    meta: Dict[str, Any] = {"id": rid, "finish_reason": finish, "prompt_tokens": s.prompt_tokens,
-                            "completion_tokens": s.completion_tokens, "cached_tokens": s.cached_tokens}
+    meta: Dict[str, Any] = {
+        "id": rid,
+        "finish_reason": finish,
+        "prompt_tokens": s.prompt_tokens,
+        "completion_tokens": s.completion_tokens,
+        "cached_tokens": s.cached_tokens,
+    }
     if body.return_logprob:
         meta["output_token_logprobs"] = [[lp.logprob, lp.token_id, None] for lp in s.logprobs]
         meta["output_top_logprobs"] = [[[v, t, None] for t, v in lp.top_logprobs] for lp in s.logprobs]
@@ -75,8 +81,10 @@ async def generate(body: GenerateRequest, request: Request):
     if body.stream:
         return SSEResponse(sse_events(stream, _events(rid, body, stream, len(prompts))))
     states = await cancel_on_disconnect(request, collect(stream, len(prompts), params.n))
-    results = [{"text": s.full_text, "output_ids": s.token_ids, "index": k, "meta_info": _meta(rid, s, body)}
-               for k, s in enumerate(states)]
+    results = [
+        {"text": s.full_text, "output_ids": s.token_ids, "index": k, "meta_info": _meta(rid, s, body)}
+        for k, s in enumerate(states)
+    ]
     return JSONResponse(results if many else results[0])
 
 

@@ -5,6 +5,7 @@ Request-level series are recorded as responses go out (status by route) and as t
 (TTFT, inter-token latency, end-to-end latency, token counters, see `RequestTimer`). Engine
 gauges (running, waiting, KV usage, cache hit rate) are read from `backend.stats()` at scrape.
 """
+
 from __future__ import annotations
 
 import time
@@ -12,8 +13,26 @@ from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                    20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 
 class Metrics:
@@ -21,28 +40,51 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         label = {"model_name": model_name}
         r = self.registry
-        self.requests = Counter("radixserve_requests", "HTTP requests by route and status code.",
-                                ["route", "status"], registry=r)
-        self.prompt_tokens = Counter("radixserve_prompt_tokens", "Prompt tokens processed.", ["model_name"],
-                                     registry=r).labels(**label)
-        self.cached_tokens = Counter("radixserve_cached_prompt_tokens", "Prompt tokens served from the cache.",
-                                     ["model_name"], registry=r).labels(**label)
-        self.generation_tokens = Counter("radixserve_generation_tokens", "Tokens generated.", ["model_name"],
-                                         registry=r).labels(**label)
-        self.ttft = Histogram("radixserve_time_to_first_token_seconds", "Time to first token.", ["model_name"],
-                              buckets=_LATENCY_BUCKETS, registry=r).labels(**label)
-        self.itl = Histogram("radixserve_inter_token_latency_seconds", "Time between streamed outputs.",
-                             ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**label)
-        self.e2e = Histogram("radixserve_e2e_request_latency_seconds", "Request latency, arrival to finish.",
-                             ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**label)
-        self.running = Gauge("radixserve_num_requests_running", "Requests in the running batch.", ["model_name"],
-                             registry=r).labels(**label)
-        self.waiting = Gauge("radixserve_num_requests_waiting", "Requests in the waiting queue.", ["model_name"],
-                             registry=r).labels(**label)
-        self.kv_usage = Gauge("radixserve_kv_cache_usage_ratio", "KV pool share held by requests.",
-                              ["model_name"], registry=r).labels(**label)
-        self.hit_rate = Gauge("radixserve_prefix_cache_hit_rate", "Cached prompt tokens / prompt tokens.",
-                              ["model_name"], registry=r).labels(**label)
+        self.requests = Counter(
+            "radixserve_requests", "HTTP requests by route and status code.", ["route", "status"], registry=r
+        )
+        self.prompt_tokens = Counter(
+            "radixserve_prompt_tokens", "Prompt tokens processed.", ["model_name"], registry=r
+        ).labels(**label)
+        self.cached_tokens = Counter(
+            "radixserve_cached_prompt_tokens", "Prompt tokens served from the cache.", ["model_name"], registry=r
+        ).labels(**label)
+        self.generation_tokens = Counter(
+            "radixserve_generation_tokens", "Tokens generated.", ["model_name"], registry=r
+        ).labels(**label)
+        self.ttft = Histogram(
+            "radixserve_time_to_first_token_seconds",
+            "Time to first token.",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        ).labels(**label)
+        self.itl = Histogram(
+            "radixserve_inter_token_latency_seconds",
+            "Time between streamed outputs.",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        ).labels(**label)
+        self.e2e = Histogram(
+            "radixserve_e2e_request_latency_seconds",
+            "Request latency, arrival to finish.",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        ).labels(**label)
+        self.running = Gauge(
+            "radixserve_num_requests_running", "Requests in the running batch.", ["model_name"], registry=r
+        ).labels(**label)
+        self.waiting = Gauge(
+            "radixserve_num_requests_waiting", "Requests in the waiting queue.", ["model_name"], registry=r
+        ).labels(**label)
+        self.kv_usage = Gauge(
+            "radixserve_kv_cache_usage_ratio", "KV pool share held by requests.", ["model_name"], registry=r
+        ).labels(**label)
+        self.hit_rate = Gauge(
+            "radixserve_prefix_cache_hit_rate", "Cached prompt tokens / prompt tokens.", ["model_name"], registry=r
+        ).labels(**label)
 
     def update_engine_gauges(self, stats: dict) -> None:
         self.running.set(stats.get("running", 0))

@@ -1,5 +1,6 @@
 """The OpenAI-compatible routes: /v1/models, /v1/completions (completions.py),
 /v1/chat/completions (chat.py), and vLLM-style /v1/tokenize and /v1/detokenize."""
+
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
@@ -7,8 +8,14 @@ from fastapi import APIRouter, Request
 from serving import chat, completions
 from serving.chat import template_messages
 from serving.errors import APIError
-from serving.protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
-                              TokenizeResponse)
+from serving.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from serving.state import get_state
 
 router = APIRouter()
@@ -40,8 +47,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     if body.messages is not None:
         if not body.messages:
             raise APIError(400, "messages must not be empty", "messages", "invalid_request")
-        ids = st.tokenizer.apply_chat_template(template_messages(body.messages, False),
-                                               add_generation_prompt=body.add_generation_prompt)
+        ids = st.tokenizer.apply_chat_template(
+            template_messages(body.messages, False), add_generation_prompt=body.add_generation_prompt
+        )
     else:
         ids = st.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     return TokenizeResponse(count=len(ids), max_model_len=st.backend.context_len, tokens=ids)

@@ -6,6 +6,7 @@ here (a violation is a 400); everything the engine checks again
 (`SamplingParams.validate`) stays the engine's contract. Unknown fields are
 ignored, as OpenAI-compatible servers do, so newer clients keep working.
 """
+
 from __future__ import annotations
 
 import time

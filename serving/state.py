@@ -1,6 +1,7 @@
 """ServingState: what every route shares (backend, model name, metrics) and the request → engine
 translation they have in common: model check, prompt → ids, context check, SamplingParams, token
 strings for logprobs, usage."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -29,8 +30,12 @@ class ServingState:
 
     def check_model(self, model: Optional[str]) -> None:
         if model != self.model_name:
-            raise APIError(400, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                           "model", "model_not_found")
+            raise APIError(
+                400,
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                "model",
+                "model_not_found",
+            )
 
     def prompt_ids(self, prompt: Any) -> List[List[int]]:
         """A completions `prompt` (string, strings, ids, or lists of ids) → one id list per prompt."""
@@ -61,32 +66,59 @@ class ServingState:
         """The max_tokens to use (default: the rest of the context); 400 when the request cannot fit."""
         ctx = self.backend.context_len
         if prompt_len >= ctx:
-            raise APIError(400, f"This model's maximum context length is {ctx} tokens. However, your prompt "
-                                f"has {prompt_len} tokens (at least one token must be left to generate).",
-                           param, "context_length_exceeded")
+            raise APIError(
+                400,
+                f"This model's maximum context length is {ctx} tokens. However, your prompt "
+                f"has {prompt_len} tokens (at least one token must be left to generate).",
+                param,
+                "context_length_exceeded",
+            )
         if max_tokens is None:
             return ctx - prompt_len
         if prompt_len + max_tokens > ctx:
-            raise APIError(400, f"This model's maximum context length is {ctx} tokens. However, you requested "
-                                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for "
-                                f"the completion). Please reduce the prompt or max_tokens.",
-                           "max_tokens", "context_length_exceeded")
+            raise APIError(
+                400,
+                f"This model's maximum context length is {ctx} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for "
+                f"the completion). Please reduce the prompt or max_tokens.",
+                "max_tokens",
+                "context_length_exceeded",
+            )
         return max_tokens
 
     @staticmethod
-    def sampling_params(body: Any, max_tokens: int, *, logprobs: bool = False, top_logprobs: int = 0,
-                        json_schema: Optional[str] = None, prompt_logprobs: Optional[int] = None) -> SamplingParams:
+    def sampling_params(
+        body: Any,
+        max_tokens: int,
+        *,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+        json_schema: Optional[str] = None,
+        prompt_logprobs: Optional[int] = None,
+    ) -> SamplingParams:
         """SamplingParams from an OpenAI body (plus SGLang extras); out-of-range values → 400."""
         values = dict(
             max_new_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=body.top_k, min_p=body.min_p, repetition_penalty=body.repetition_penalty,
-            frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
-            stop=body.stop, stop_token_ids=body.stop_token_ids, seed=body.seed, n=body.n,
-            ignore_eos=body.ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs,
-            skip_special_tokens=body.skip_special_tokens, json_schema=json_schema, regex=body.regex,
-            ebnf=body.ebnf, prompt_logprobs=prompt_logprobs)
+            top_k=body.top_k,
+            min_p=body.min_p,
+            repetition_penalty=body.repetition_penalty,
+            frequency_penalty=body.frequency_penalty,
+            presence_penalty=body.presence_penalty,
+            stop=body.stop,
+            stop_token_ids=body.stop_token_ids,
+            seed=body.seed,
+            n=body.n,
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            skip_special_tokens=body.skip_special_tokens,
+            json_schema=json_schema,
+            regex=body.regex,
+            ebnf=body.ebnf,
+            prompt_logprobs=prompt_logprobs,
+        )
         try:
             return SamplingParams.from_any(values)
         except InvalidRequestError as exc:
@@ -100,9 +132,12 @@ class ServingState:
 
     @staticmethod
     def usage(prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> Usage:
-        return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+        return Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        )
 
 
 def get_state(request: Request) -> ServingState:

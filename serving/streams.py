@@ -10,6 +10,7 @@ response: finish, error, client disconnect) cancels them and aborts their rids, 
 frees their pages. `SSEResponse` watches for the client's disconnect itself (Starlette does not
 on ASGI spec >= 2.4), and `cancel_on_disconnect` does the same for non-streamed responses.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,16 +32,28 @@ from serving.metrics import RequestTimer
 class GenerationStream:
     """The backend streams of one HTTP request (one per prompt, each with params.n choices)."""
 
-    def __init__(self, backend: ServingBackend, rids: List[str], iters: List[AsyncIterator[Any]],
-                 firsts: List[Any], timer: Optional[RequestTimer]):
+    def __init__(
+        self,
+        backend: ServingBackend,
+        rids: List[str],
+        iters: List[AsyncIterator[Any]],
+        firsts: List[Any],
+        timer: Optional[RequestTimer],
+    ):
         self.backend, self.rids, self.iters, self.firsts, self.timer = backend, rids, iters, firsts, timer
         self.n = 1
         self._tasks: List[asyncio.Task] = []
         self._closed = False
 
     @classmethod
-    async def start(cls, backend: ServingBackend, prompts: List[List[int]], params: SamplingParams,
-                    base_rid: str, timer: Optional[RequestTimer] = None) -> "GenerationStream":
+    async def start(
+        cls,
+        backend: ServingBackend,
+        prompts: List[List[int]],
+        params: SamplingParams,
+        base_rid: str,
+        timer: Optional[RequestTimer] = None,
+    ) -> "GenerationStream":
         """Submit every prompt and wait for each one's first output; raise the first rejection."""
         rids = [base_rid if len(prompts) == 1 else f"{base_rid}-{i}" for i in range(len(prompts))]
         iters = [backend.generate_stream(ids, params, rid).__aiter__() for ids, rid in zip(prompts, rids)]
@@ -173,13 +186,15 @@ class SSEResponse(StreamingResponse):
     media_type = "text/event-stream"
 
     def __init__(self, content: AsyncIterator[str], on_close: Optional[Any] = None):
-        super().__init__(content, media_type=self.media_type,
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            content, media_type=self.media_type, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
         self._on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             async with anyio.create_task_group() as tg:
+
                 async def watch_disconnect() -> None:
                     while (await receive())["type"] != "http.disconnect":
                         pass

@@ -1,13 +1,14 @@
 """Function calling on top of a chat template: prompt, constraint, parsing.
 
-    tools ──render_tools / inject_tools──▶ the template's own `tools` rendering, or (templates that
-        ignore `tools`, like the default model's) a system-prompt section asking for
-        {"name": ..., "arguments": {...}}
-    tool_choice "required" / named ──call_schema──▶ SamplingParams.json_schema: anyOf over the
-        tools, `name` as a const and `arguments` as the tool's parameter schema, so the output
-        always parses to a valid call
-    output text ──parse_tool_calls──▶ [ToolCall] ("auto": only when it names a known tool)
+tools ──render_tools / inject_tools──▶ the template's own `tools` rendering, or (templates that
+    ignore `tools`, like the default model's) a system-prompt section asking for
+    {"name": ..., "arguments": {...}}
+tool_choice "required" / named ──call_schema──▶ SamplingParams.json_schema: anyOf over the
+    tools, `name` as a const and `arguments` as the tool's parameter schema, so the output
+    always parses to a valid call
+output text ──parse_tool_calls──▶ [ToolCall] ("auto": only when it names a known tool)
 """
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,16 @@ from serving.protocol import FunctionCall, Tool, ToolCall
 
 _TOOL_CALL_TAG = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
-_PROBE_TOOL = [{"type": "function", "function": {"name": "probe_tool_zx9", "description": "probe",
-                                                  "parameters": {"type": "object", "properties": {}}}}]
+_PROBE_TOOL = [
+    {
+        "type": "function",
+        "function": {
+            "name": "probe_tool_zx9",
+            "description": "probe",
+            "parameters": {"type": "object", "properties": {}},
+        },
+    }
+]
 _renders_tools: Dict[int, bool] = {}
 
 
@@ -40,12 +49,16 @@ def tool_prompt(tools: List[Tool], choice: Any) -> str:
     """The system-prompt section describing the tools, for templates without tool support."""
     specs = "\n".join(json.dumps(t.function.model_dump(exclude_none=True), ensure_ascii=False) for t in tools)
     if choice == "auto":
-        how = ("If one of these functions helps answer the user, reply with only a JSON object "
-               '{"name": <function name>, "arguments": <arguments object>} and nothing else. '
-               "Otherwise answer normally.")
+        how = (
+            "If one of these functions helps answer the user, reply with only a JSON object "
+            '{"name": <function name>, "arguments": <arguments object>} and nothing else. '
+            "Otherwise answer normally."
+        )
     else:
-        how = ('Reply with only a JSON object {"name": <function name>, "arguments": <arguments object>} '
-               "calling one of these functions, and nothing else.")
+        how = (
+            'Reply with only a JSON object {"name": <function name>, "arguments": <arguments object>} '
+            "calling one of these functions, and nothing else."
+        )
     return f"You can call these functions:\n{specs}\n{how}"
 
 
@@ -74,9 +87,14 @@ def call_schema(tools: List[Tool]) -> Dict[str, Any]:
     variants = []
     for t in tools:
         params = t.function.parameters or {"type": "object"}
-        variants.append({"type": "object",
-                         "properties": {"name": {"const": t.function.name}, "arguments": params},
-                         "required": ["name", "arguments"], "additionalProperties": False})
+        variants.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": t.function.name}, "arguments": params},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
     return variants[0] if len(variants) == 1 else {"anyOf": variants}
 
 

@@ -1,4 +1,5 @@
 """Shared fixtures: engines on the default model (CPU, float32), prompts, leak checks."""
+
 from __future__ import annotations
 
 import os
@@ -29,7 +30,7 @@ def pytest_collection_modifyitems(config, items):
 # Eight diverse prompts: chat, code, lists, numbers, another language, a long instruction.
 PROMPTS = [
     "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "List three primary colors:\n1.",
     "Once upon a time, in a small village by the sea, there lived",
     "Q: What is 12 times 7?\nA:",

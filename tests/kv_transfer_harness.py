@@ -3,6 +3,7 @@
 `PeerProcess(...)` starts the child; `peer.call(method, *args)` runs a `_Peer` method there and
 returns its result, re-raising its exception (with the child's type) here.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -71,6 +72,7 @@ class _Peer:
 
         async def wait_all():
             await asyncio.gather(*(self.backend.wait(h, timeout_s) for h in handles))
+
         asyncio.run(wait_all())
         return [h.message for h in handles]
 

@@ -4,6 +4,7 @@ Request i owns KV slots [1 + i * max_len, 1 + (i + 1) * max_len) (slot 0 stays
 unused, like the pool's page 0) and req_to_token row i. Prefill may be split
 into chunks to exercise the prefix path; decode runs all requests together.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,19 +32,34 @@ class GreedyResult:
 
 
 class GreedyHarness:
-    def __init__(self, model, max_len: int = 256, max_reqs: int = 16, backend: str = "torch_native",
-                 kv_dtype: Optional[torch.dtype] = None):
+    def __init__(
+        self,
+        model,
+        max_len: int = 256,
+        max_reqs: int = 16,
+        backend: str = "torch_native",
+        kv_dtype: Optional[torch.dtype] = None,
+    ):
         param = next(model.parameters())
         self.model, self.device, self.max_len = model, param.device, max_len
-        self.kv_pool = KVPool(1 + max_reqs * max_len, model.num_layers, model.num_kv_heads, model.head_dim,
-                              kv_dtype or param.dtype, self.device)
-        self.req_to_token = (1 + torch.arange(max_reqs * max_len, dtype=torch.int32, device=self.device)
-                             ).view(max_reqs, max_len)
-        self.backend = get_backend_class(backend)(self.req_to_token, self.kv_pool, model.num_heads,
-                                                  model.num_kv_heads, model.head_dim, model.head_dim ** -0.5)
+        self.kv_pool = KVPool(
+            1 + max_reqs * max_len,
+            model.num_layers,
+            model.num_kv_heads,
+            model.head_dim,
+            kv_dtype or param.dtype,
+            self.device,
+        )
+        self.req_to_token = (1 + torch.arange(max_reqs * max_len, dtype=torch.int32, device=self.device)).view(
+            max_reqs, max_len
+        )
+        self.backend = get_backend_class(backend)(
+            self.req_to_token, self.kv_pool, model.num_heads, model.num_kv_heads, model.head_dim, model.head_dim**-0.5
+        )
 
-    def _forward(self, mode: ForwardMode, seqs: List[List[int]], prefix: List[int], seq_lens: List[int],
-                 rows: List[int]) -> torch.Tensor:
+    def _forward(
+        self, mode: ForwardMode, seqs: List[List[int]], prefix: List[int], seq_lens: List[int], rows: List[int]
+    ) -> torch.Tensor:
         """Run the new tokens seqs[i][prefix[i]:seq_lens[i]] of request rows[i]; -> (T, vocab) logits."""
         ids, pos, locs = [], [], []
         for s, p, n, r in zip(seqs, prefix, seq_lens, rows):
@@ -56,8 +72,9 @@ class GreedyHarness:
         with torch.no_grad():
             return self.model.compute_logits(self.model(batch))
 
-    def generate(self, prompts: List[List[int]], max_new_tokens: int, prefill_chunk: Optional[int] = None
-                 ) -> GreedyResult:
+    def generate(
+        self, prompts: List[List[int]], max_new_tokens: int, prefill_chunk: Optional[int] = None
+    ) -> GreedyResult:
         seqs = [list(p) for p in prompts]
         rows = list(range(len(prompts)))
         lens = [len(p) for p in prompts]
@@ -83,7 +100,7 @@ class GreedyHarness:
                 decode[i].append(logits[i])
             next_ids = logits.argmax(-1).tolist()
         decode_logits = [torch.stack(d) if d else torch.empty(0) for d in decode]
-        return GreedyResult(prefill_logits, decode_logits, [s[len(p):] for s, p in zip(seqs, prompts)])
+        return GreedyResult(prefill_logits, decode_logits, [s[len(p) :] for s, p in zip(seqs, prompts)])
 
 
 def hf_model_from_gguf(source: ModelSource, config) -> torch.nn.Module:
@@ -91,7 +108,9 @@ def hf_model_from_gguf(source: ModelSource, config) -> torch.nn.Module:
     with torch.device("meta"):
         names_model = transformers.AutoModelForCausalLM.from_config(config)
     with cached_gguf_name_map():
-        tensors = transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint(source.gguf_path, return_tensors=True, model_to_load=names_model)["tensors"]
+        tensors = transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint(
+            source.gguf_path, return_tensors=True, model_to_load=names_model
+        )["tensors"]
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     result = hf.load_state_dict(tensors, strict=False)

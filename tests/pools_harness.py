@@ -6,6 +6,7 @@ The cluster: unified pool, 1 worker to start, autoscaling 1..2 on waiting reques
 delays, round_robin routing (a new replica gets requests at once), an API key and a distinct admin
 key, report_interval_s 0.25. Engines run 2 requests at a time, so a few concurrent clients queue.
 """
+
 import threading
 import uuid
 from typing import Dict, List
@@ -29,10 +30,23 @@ _cluster: Dict[str, str] = {}
 def _start() -> str:
     from cluster.config import ClusterArgs
 
-    args = ClusterArgs(workers=1, policy="round_robin", num_cpus=0.5, max_total_tokens=4096, max_running_requests=2,
-                       report_interval_s=0.25, api_key=API_KEY, admin_api_key=ADMIN_KEY,
-                       autoscaling={"min_replicas": 1, "max_replicas": 2, "target_waiting_per_replica": 1,
-                                    "upscale_delay_s": 1.0, "downscale_delay_s": 3.0})
+    args = ClusterArgs(
+        workers=1,
+        policy="round_robin",
+        num_cpus=0.5,
+        max_total_tokens=4096,
+        max_running_requests=2,
+        report_interval_s=0.25,
+        api_key=API_KEY,
+        admin_api_key=ADMIN_KEY,
+        autoscaling={
+            "min_replicas": 1,
+            "max_replicas": 2,
+            "target_waiting_per_replica": 1,
+            "upscale_delay_s": 1.0,
+            "downscale_delay_s": 3.0,
+        },
+    )
     return start_serve(args, APP)
 
 
@@ -79,10 +93,12 @@ def running_ids(p: dict) -> List[str]:
 
 def settle(http, n: int, name: str = "unified", timeout: float = 240) -> dict:
     """Wait until the pool has exactly `n` routable replicas and Serve follows a target of n."""
+
     def done():
         p = pool(http, name)
         ok = len(running_ids(p)) == n and len(p["replicas"]) == n and p["serve_target_replicas"] == n
         return p if ok else None
+
     return wait_for(done, timeout, f"the {name} pool to settle at {n} replica(s)", 0.5)
 
 
@@ -116,8 +132,11 @@ class Load:
             i = 0
             while not self._stop.is_set():
                 rid = f"load-{k}-{i}-{uuid.uuid4().hex[:6]}"
-                body = {"rid": rid, "text": f"Client {k} request {i}: tell me about the sea",
-                        "sampling_params": {"temperature": 0, "max_new_tokens": self.max_new_tokens}}
+                body = {
+                    "rid": rid,
+                    "text": f"Client {k} request {i}: tell me about the sea",
+                    "sampling_params": {"temperature": 0, "max_new_tokens": self.max_new_tokens},
+                }
                 try:
                     r = client.post("/generate", json=body, headers=USER)
                     outcome: object = r.status_code if r.status_code == 200 else f"{r.status_code} {r.text[:200]}"
@@ -153,4 +172,3 @@ class Load:
     def rids(self, since: int = 0) -> List[str]:
         with self._lock:
             return [rid for rid, o in self.results[since:] if o == 200]
-

@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # The README's test command: installs what it needs (deploy/install.sh, with the test extra),
-# then runs pytest. Extra arguments go to pytest. "No tests ran" fails.
+# then checks lint, format and import layering and runs pytest. Extra arguments go to pytest. "No tests ran" fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/install.sh test
 bash tests/install_browser.sh  # Debian's chromium for the dashboard test, when missing
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+VENV=${RADIXSERVE_VENV:-.venv}
+# Lint, format and the package layering (pyproject.toml: [tool.ruff], [tool.importlinter]) first.
+"$VENV/bin/ruff" check --quiet .
+"$VENV/bin/ruff" format --check --quiet .
+"$VENV/bin/lint-imports" --no-cache > /dev/null || "$VENV/bin/lint-imports" --no-cache
 set +e
-"${RADIXSERVE_VENV:-.venv}/bin/python" -m pytest "$@"
+"$VENV/bin/python" -m pytest "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

@@ -5,29 +5,52 @@ Disaggregated mode (prefill 1 → 2 while decode stays at 1, and the reverse) is
 test_scale_prefill_and_decode_independently, which builds its own cluster (skipped until
 mode=disaggregated runs on CPU). Nothing here asserts on timings.
 """
+
 import json
 import pathlib
 import re
 
 import pytest
 
-from pools_harness import (ADMIN, ADMIN_KEY, MODEL, USER, Load, http, pool, pools_cluster,  # noqa: F401
-                           running_ids, scale, settle, wait_for, worker_logs)
+from pools_harness import (
+    ADMIN,
+    ADMIN_KEY,
+    MODEL,
+    USER,
+    Load,
+    http,
+    pool,
+    pools_cluster,  # noqa: F401
+    running_ids,
+    scale,
+    settle,
+    wait_for,
+    worker_logs,
+)
 
 pytestmark = pytest.mark.slow
 
-ROUTES = [("GET", "/admin/pools", None), ("GET", "/admin/pools?history=true", None),
-          ("GET", "/admin/pools/unified", None), ("POST", "/admin/pools/unified/scale", {"replicas": 2}),
-          ("POST", "/admin/pools/unified/scale", {"autoscaling": True, "min_replicas": 1, "max_replicas": 2}),
-          ("POST", "/admin/replicas/somereplica/drain", {"remove": True}),
-          ("POST", "/admin/replicas/somereplica/undrain", None),
-          ("POST", "/admin/pools/unified/scale", {"replicas": "not a number"})]
+ROUTES = [
+    ("GET", "/admin/pools", None),
+    ("GET", "/admin/pools?history=true", None),
+    ("GET", "/admin/pools/unified", None),
+    ("POST", "/admin/pools/unified/scale", {"replicas": 2}),
+    ("POST", "/admin/pools/unified/scale", {"autoscaling": True, "min_replicas": 1, "max_replicas": 2}),
+    ("POST", "/admin/replicas/somereplica/drain", {"remove": True}),
+    ("POST", "/admin/replicas/somereplica/undrain", None),
+    ("POST", "/admin/pools/unified/scale", {"replicas": "not a number"}),
+]
 
 
 def test_every_admin_route_needs_the_admin_key(http):
     before = pool(http)
-    for headers in ({}, USER, {"Authorization": f"Bearer {ADMIN_KEY}x"}, {"Authorization": ADMIN_KEY},
-                    {"X-Api-Key": ADMIN_KEY}):
+    for headers in (
+        {},
+        USER,
+        {"Authorization": f"Bearer {ADMIN_KEY}x"},
+        {"Authorization": ADMIN_KEY},
+        {"X-Api-Key": ADMIN_KEY},
+    ):
         for method, path, body in ROUTES:
             r = http.request(method, path, headers=headers, json=body)
             assert r.status_code == 401, (method, path, headers, r.status_code, r.text)
@@ -39,16 +62,24 @@ def test_every_admin_route_needs_the_admin_key(http):
     assert http.get("/v1/models", headers=USER).status_code == 200
     # the dashboard page itself is a static shell: no pool data without the key
     page = http.get("/dashboard/", follow_redirects=True)
-    assert page.status_code == 200 and "<canvas" not in page.text and after["replicas"][0]["replica_id"] not in page.text
+    assert (
+        page.status_code == 200 and "<canvas" not in page.text and after["replicas"][0]["replica_id"] not in page.text
+    )
     assert "default-src 'self'" in page.headers["content-security-policy"]
 
 
 def test_bad_admin_requests_get_clear_errors(http):
     r = http.post("/admin/pools/nosuchpool/scale", json={"replicas": 2}, headers=ADMIN)
     assert r.status_code == 404 and "nosuchpool" in r.json()["error"]["message"]
-    for body in ({"replicas": 0}, {"replicas": 1000}, {}, {"replicas": 2, "min_replicas": 1},
-                 {"min_replicas": 3, "max_replicas": 2}, {"autoscaling": False, "max_replicas": 3},
-                 {"replica": 2}):
+    for body in (
+        {"replicas": 0},
+        {"replicas": 1000},
+        {},
+        {"replicas": 2, "min_replicas": 1},
+        {"min_replicas": 3, "max_replicas": 2},
+        {"autoscaling": False, "max_replicas": 3},
+        {"replica": 2},
+    ):
         r = http.post("/admin/pools/unified/scale", json=body, headers=ADMIN)
         assert r.status_code == 400, (body, r.text)
         assert r.json()["error"]["type"] == "invalid_request_error"
@@ -97,8 +128,11 @@ def test_scale_up_drain_and_remove_while_requests_flow(pools_cluster, http):
         assert r.status_code == 200 and r.json()["state"] == "running", r.text
         wait_for(lambda: newcomer in http.get("/router/stats").json()["workers"], 30, "the replica to route again")
         mark = load.count()
-        wait_for(lambda: any(worker_logs().get(rid) == newcomer for rid in load.rids(mark)), 120,
-                 "requests on the undrained replica")
+        wait_for(
+            lambda: any(worker_logs().get(rid) == newcomer for rid in load.rids(mark)),
+            120,
+            "requests on the undrained replica",
+        )
 
         r = http.post(f"/admin/replicas/{newcomer}/drain", json={"remove": True}, headers=ADMIN)
         assert r.status_code == 200, r.text
@@ -115,8 +149,14 @@ def test_scale_up_drain_and_remove_while_requests_flow(pools_cluster, http):
 
 def test_pool_metrics_carry_pool_and_replica_labels(http):
     for i in range(2):
-        assert http.post("/generate", headers=USER, json={"text": f"Hello {i}", "sampling_params": {
-            "max_new_tokens": 4, "temperature": 0}}).status_code == 200
+        assert (
+            http.post(
+                "/generate",
+                headers=USER,
+                json={"text": f"Hello {i}", "sampling_params": {"max_new_tokens": 4, "temperature": 0}},
+            ).status_code
+            == 200
+        )
     p = pool(http)
     text = http.get("/metrics").text
     label = f'model_name="{MODEL}",pool="unified"'

@@ -2,6 +2,7 @@
 back down once the load stops. CPU cluster shared with test_admin*.py (pools_harness.py):
 autoscaling 1..2, target 1 waiting request per replica, engines running 2 requests at a time,
 upscale delay 1 s, downscale delay 3 s. Nothing here asserts on timings."""
+
 import pytest
 
 from pools_harness import ADMIN, Load, http, pool, pools_cluster, running_ids, scale, settle, wait_for  # noqa: F401
@@ -16,8 +17,11 @@ def test_load_scales_the_pool_up_and_idleness_back_down(pools_cluster, http):
     assert (p["mode"], p["min_replicas"], p["max_replicas"], p["target_replicas"]) == ("autoscaling", 1, 2, 1)
 
     with Load(pools_cluster, clients=6, max_new_tokens=24) as load:
-        up = wait_for(lambda: (lambda q: q if q["target_replicas"] == 2 else None)(pool(http)), 180,
-                      "the autoscaler to raise the target")
+        up = wait_for(
+            lambda: (lambda q: q if q["target_replicas"] == 2 else None)(pool(http)),
+            180,
+            "the autoscaler to raise the target",
+        )
         assert up["last_decision"].startswith("scale up") and "waiting" in up["last_decision"]
         two = settle(http, 2)
         assert len(running_ids(two)) == 2
@@ -28,8 +32,11 @@ def test_load_scales_the_pool_up_and_idleness_back_down(pools_cluster, http):
     assert max(s["waiting"] for s in full["history"]) > 1 and max(s["tokens_per_s"] for s in full["history"]) > 0
     assert history["mode"] == "autoscaling"
 
-    down = wait_for(lambda: (lambda q: q if q["target_replicas"] == 1 else None)(pool(http)), 120,
-                    "the autoscaler to lower the target once idle")
+    down = wait_for(
+        lambda: (lambda q: q if q["target_replicas"] == 1 else None)(pool(http)),
+        120,
+        "the autoscaler to lower the target once idle",
+    )
     assert down["last_decision"] == "scale down: idle"
     one = settle(http, 1)
     assert len(running_ids(one)) == 1 and one["mode"] == "autoscaling"

@@ -6,21 +6,40 @@ Needs /usr/bin/chromium (tests/install_browser.sh installs it; tests/run.sh call
 it the test fails with that message, unless RADIXSERVE_SKIP_BROWSER=1 asks to skip.
 CPU cluster shared with test_admin*.py (pools_harness.py).
 """
+
 import os
 import pathlib
 import shutil
 
 import pytest
 
-from pools_harness import (ADMIN_KEY, API_KEY, USER, http, pool, pools_cluster, running_ids,  # noqa: F401
-                           scale, settle, wait_for)
+from pools_harness import (
+    ADMIN_KEY,
+    API_KEY,
+    USER,
+    http,
+    pool,
+    pools_cluster,
+    running_ids,  # noqa: F401
+    scale,
+    settle,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
 CHROMIUM = os.environ.get("RADIXSERVE_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = pathlib.Path(__file__).parent / "artifacts"
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +47,11 @@ def browser():
     if os.environ.get("RADIXSERVE_SKIP_BROWSER") == "1":
         pytest.skip("RADIXSERVE_SKIP_BROWSER=1")
     if not (os.path.exists(CHROMIUM) or shutil.which(CHROMIUM)):
-        pytest.fail(f"{CHROMIUM} not found: install Debian's chromium (bash tests/install_browser.sh), or set "
-                    "RADIXSERVE_SKIP_BROWSER=1 to skip the dashboard test", pytrace=False)
+        pytest.fail(
+            f"{CHROMIUM} not found: install Debian's chromium (bash tests/install_browser.sh), or set "
+            "RADIXSERVE_SKIP_BROWSER=1 to skip the dashboard test",
+            pytrace=False,
+        )
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
@@ -75,18 +97,30 @@ def test_dashboard_renders_live_figures_and_scales_a_pool(page, http):
     assert card.locator('[data-field="ready_replicas"]').inner_text() == "1"
     assert card.locator('[data-field="kv_usage"]').inner_text().endswith("%")
     for i in range(3):  # traffic now, so the page shows fresh TTFT / ITL figures (a 10 s window)
-        assert http.post("/generate", headers=USER, json={"text": f"Dashboard {i}", "sampling_params": {
-            "temperature": 0, "max_new_tokens": 8}}).status_code == 200
-    page.wait_for_function("""() => ['ttft_p90_ms', 'itl_p90_ms'].every(f => document.querySelector(
-        `section.pool[data-pool="unified"] [data-field="${f}"]`).textContent.endsWith(' ms'))""", timeout=30_000)
+        assert (
+            http.post(
+                "/generate",
+                headers=USER,
+                json={"text": f"Dashboard {i}", "sampling_params": {"temperature": 0, "max_new_tokens": 8}},
+            ).status_code
+            == 200
+        )
+    page.wait_for_function(
+        """() => ['ttft_p90_ms', 'itl_p90_ms'].every(f => document.querySelector(
+        `section.pool[data-pool="unified"] [data-field="${f}"]`).textContent.endsWith(' ms'))""",
+        timeout=30_000,
+    )
     # live: the status line ticks and the charts get drawn from the pool's history
     first = page.inner_text("#status")
     page.wait_for_function("f => document.querySelector('#status').textContent !== f", arg=first, timeout=30_000)
     assert page.inner_text("#status").startswith("live")
-    page.wait_for_function("""() => [...document.querySelectorAll('section.pool canvas')].every(c => {
+    page.wait_for_function(
+        """() => [...document.querySelectorAll('section.pool canvas')].every(c => {
         const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
         for (let i = 3; i < d.length; i += 4) if (d[i] !== 0) return true;
-        return false; })""", timeout=30_000)
+        return false; })""",
+        timeout=30_000,
+    )
     assert card.locator("canvas").count() == 6
 
     card.locator('button[data-action="inc"]').click()  # the "+" control

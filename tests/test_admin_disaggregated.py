@@ -4,6 +4,7 @@ decode pool goes 1 → 2 replicas while the prefill pool stays at 1, and then th
 the pool left alone keeps its replica. Own CPU cluster (mode=disaggregated, KV over NIXL in host
 memory). Nothing here asserts on timings.
 """
+
 import httpx
 import pytest
 
@@ -23,9 +24,18 @@ APP = "radixserve-disagg-admin-test"
 def cluster():
     from cluster.config import ClusterArgs
 
-    args = ClusterArgs(mode="disaggregated", prefill_workers=1, decode_workers=1, policy="round_robin",
-                       num_cpus=0.5, max_total_tokens=4096, report_interval_s=0.25, api_key=API_KEY,
-                       admin_api_key=ADMIN_KEY, kv_transfer="nixl")
+    args = ClusterArgs(
+        mode="disaggregated",
+        prefill_workers=1,
+        decode_workers=1,
+        policy="round_robin",
+        num_cpus=0.5,
+        max_total_tokens=4096,
+        report_interval_s=0.25,
+        api_key=API_KEY,
+        admin_api_key=ADMIN_KEY,
+        kv_transfer="nixl",
+    )
     yield start_serve(args, APP)
     stop_serve()
 

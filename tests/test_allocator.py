@@ -1,4 +1,5 @@
 """TokenToKVPoolAllocator and ReqToTokenPool: page accounting, continuation inside pages, double frees."""
+
 import pytest
 import torch
 
@@ -75,8 +76,9 @@ def test_pages_come_back_sorted_so_allocations_stay_consecutive():
 def test_kv_pool_is_token_major_with_per_layer_views():
     from engine.memory.kv_pool import KVPool
 
-    pool = KVPool(num_slots=6, num_layers=3, num_kv_heads=2, head_dim=4, dtype=torch.float32,
-                  device=torch.device("cpu"))
+    pool = KVPool(
+        num_slots=6, num_layers=3, num_kv_heads=2, head_dim=4, dtype=torch.float32, device=torch.device("cpu")
+    )
     k, v = torch.randn(2, 2, 4), torch.randn(2, 2, 4)
     pool.set_kv_buffer(1, torch.tensor([4, 2]), k, v)
     k_buf, v_buf = pool.get_kv_buffer(1)

@@ -1,5 +1,6 @@
 """The benchmark scripts run end to end on tiny workloads (they measure nothing here: no timing
 is asserted, only that they complete every request and write their JSON)."""
+
 from __future__ import annotations
 
 import json
@@ -20,9 +21,22 @@ def run_script(name, *args):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
-@pytest.mark.parametrize("name", ["bench_offline.py", "bench_serving.py", "bench_overhead.py", "bench_router.py",
-                                  "bench_kv_transfer.py", "bench_decode.py", "bench_cluster.py",
-                                  "bench_overlap.py", "bench_gemv.py", "bench_frontend.py", "bench_online.py"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "bench_offline.py",
+        "bench_serving.py",
+        "bench_overhead.py",
+        "bench_router.py",
+        "bench_kv_transfer.py",
+        "bench_decode.py",
+        "bench_cluster.py",
+        "bench_overlap.py",
+        "bench_gemv.py",
+        "bench_frontend.py",
+        "bench_online.py",
+    ],
+)
 def test_help(name):
     proc = run_script(name, "--help")
     assert proc.returncode == 0, proc.stderr
@@ -35,10 +49,31 @@ def test_bench_serving_against_the_server(default_engine, tmp_path, dataset):
 
     out = tmp_path / "result.json"
     with serve(build_app(EngineBackend(default_engine), model_name=MODEL)) as url:
-        proc = run_script("bench_serving.py", "--base-url", url, "--model", MODEL, "--dataset", dataset,
-                          "--num-groups", "2", "--prompts-per-group", "2", "--system-prompt-len", "64",
-                          "--num-conversations", "2", "--num-turns", "2", "--output-len", "4",
-                          "--max-concurrency", "2", "--out", str(out))
+        proc = run_script(
+            "bench_serving.py",
+            "--base-url",
+            url,
+            "--model",
+            MODEL,
+            "--dataset",
+            dataset,
+            "--num-groups",
+            "2",
+            "--prompts-per-group",
+            "2",
+            "--system-prompt-len",
+            "64",
+            "--num-conversations",
+            "2",
+            "--num-turns",
+            "2",
+            "--output-len",
+            "4",
+            "--max-concurrency",
+            "2",
+            "--out",
+            str(out),
+        )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
     summary = result.get("summary") or result
@@ -52,7 +87,12 @@ def test_bench_cluster_names_repeated_variants_apart():
 
     unified, disagg = {"workers": 1}, {"mode": "disaggregated"}
     assert bench_cluster.run_names([unified, disagg, unified, disagg, unified]) == [
-        "workers=1", "mode=disaggregated", "workers=1 #2", "mode=disaggregated #2", "workers=1 #3"]
+        "workers=1",
+        "mode=disaggregated",
+        "workers=1 #2",
+        "mode=disaggregated #2",
+        "workers=1 #3",
+    ]
 
 
 def _sse_client(events):
@@ -60,8 +100,12 @@ def _sse_client(events):
     import httpx
 
     body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
-    return httpx.AsyncClient(base_url="http://test", transport=httpx.MockTransport(
-        lambda request: httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})))
+    return httpx.AsyncClient(
+        base_url="http://test",
+        transport=httpx.MockTransport(
+            lambda request: httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})
+        ),
+    )
 
 
 def test_bench_serving_counts_every_chunk_with_choices_as_a_token_event():
@@ -73,14 +117,21 @@ def test_bench_serving_counts_every_chunk_with_choices_as_a_token_event():
     import bench_serving as bs
 
     args = bs.build_parser().parse_args(["--output-len", "4"])
-    chat = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
-            {"choices": [{"index": 0, "delta": {"content": "a"}}]},
-            {"choices": [{"index": 0, "delta": {"content": ""}}]},
-            {"choices": [{"index": 0, "delta": {"content": "b"}, "finish_reason": "length"}]},
-            {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3,
-                                      "prompt_tokens_details": {"cached_tokens": 2}}}]
-    completion = [{"choices": [{"index": 0, "text": ""}]}, {"choices": [{"index": 0, "text": "x"}]},
-                  {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}}]
+    chat = [
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+        {"choices": [{"index": 0, "delta": {"content": "a"}}]},
+        {"choices": [{"index": 0, "delta": {"content": ""}}]},
+        {"choices": [{"index": 0, "delta": {"content": "b"}, "finish_reason": "length"}]},
+        {
+            "choices": [],
+            "usage": {"prompt_tokens": 7, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 2}},
+        },
+    ]
+    completion = [
+        {"choices": [{"index": 0, "text": ""}]},
+        {"choices": [{"index": 0, "text": "x"}]},
+        {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}},
+    ]
 
     async def go(events, turn):
         async with _sse_client(events) as client:
@@ -101,22 +152,41 @@ def test_bench_online_ratios_and_table_from_fabricated_summaries():
     import bench_online
 
     def summary(rps, ttft, itl, tpot):
-        return {"completed": 8, "failed": 0, "request_throughput": rps, "output_throughput_tok_s": rps * 256,
-                "ttft_ms": {"p50": ttft, "p90": 2 * ttft}, "itl_ms": {"p50": itl, "p90": 2 * itl},
-                "e2e_ms": {"p50": 1000.0}, "tpot_ms": {"mean": tpot}, "events_per_output_token": 1.0}
+        return {
+            "completed": 8,
+            "failed": 0,
+            "request_throughput": rps,
+            "output_throughput_tok_s": rps * 256,
+            "ttft_ms": {"p50": ttft, "p90": 2 * ttft},
+            "itl_ms": {"p50": itl, "p90": 2 * itl},
+            "e2e_ms": {"p50": 1000.0},
+            "tpot_ms": {"mean": tpot},
+            "events_per_output_token": 1.0,
+        }
 
-    runs = {"serving": {"workloads": {"random-8": summary(3.0, 60.0, 14.0, 14.0),
-                                      "random-64": summary(10.0, 500.0, 20.0, 21.0)}},
-            "vllm": {"workloads": {"random-8": summary(4.0, 40.0, 7.0, 7.0)}},
-            "cluster": {"workloads": {"random-8": dict(summary(1.0, 1.0, 1.0, 1.0), completed=0)}}}
+    runs = {
+        "serving": {
+            "workloads": {"random-8": summary(3.0, 60.0, 14.0, 14.0), "random-64": summary(10.0, 500.0, 20.0, 21.0)}
+        },
+        "vllm": {"workloads": {"random-8": summary(4.0, 40.0, 7.0, 7.0)}},
+        "cluster": {"workloads": {"random-8": dict(summary(1.0, 1.0, 1.0, 1.0), completed=0)}},
+    }
     r = bench_online.ratios(runs)
     assert set(r) == {"serving"} and set(r["serving"]) == {"random-8"}  # no vLLM figure / nothing completed
     assert r["serving"]["random-8"]["request_throughput"] == 0.75
     assert r["serving"]["random-8"]["itl_ms.p50"] == 2.0 and r["serving"]["random-8"]["ttft_ms.p90"] == 1.5
     text = bench_online.table({"runs": runs, "ratios_to_vllm": r})
     rows = [line.split() for line in text.splitlines()[2:]]
-    assert [row[:2] for row in rows] == [["random-8", "vllm"], ["random-8", "serving"], ["random-8", "cluster"],
-                                         ["random-64", "serving"]]
+    assert [row[:2] for row in rows] == [
+        ["random-8", "vllm"],
+        ["random-8", "serving"],
+        ["random-8", "cluster"],
+        ["random-64", "serving"],
+    ]
     assert rows[1][-4:] == ["0.75", "1.50", "2.00", "2.00"]
     assert bench_online.workload_argv("random-8", {"random-8": 16}, ["--output-len", "8"])[-4:] == [
-        "--num-prompts", "16", "--output-len", "8"]
+        "--num-prompts",
+        "16",
+        "--output-len",
+        "8",
+    ]

@@ -3,6 +3,7 @@
 One application for the whole module (starting it costs ~1 min on 2 cores); the membership test
 kills a worker, so it runs last. Nothing here asserts on timings.
 """
+
 import asyncio
 
 import httpx
@@ -22,8 +23,7 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def cluster():
-    args = ClusterArgs(workers=2, policy="round_robin", num_cpus=0.5, max_total_tokens=4096,
-                       report_interval_s=0.25)
+    args = ClusterArgs(workers=2, policy="round_robin", num_cpus=0.5, max_total_tokens=4096, report_interval_s=0.25)
     yield start_serve(args, APP)
     stop_serve()
 
@@ -71,12 +71,14 @@ def test_openai_completion_chat_and_stream(cluster):
     client = openai.OpenAI(base_url=f"{cluster}/v1", api_key="unused", max_retries=0, timeout=120)
     comp = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
     assert comp.choices[0].text and comp.usage.completion_tokens == 8
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hello."}],
-                                          max_tokens=12, temperature=0)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=12, temperature=0
+    )
     assert chat.choices[0].message.content and chat.choices[0].finish_reason in ("stop", "length")
     pieces = []
-    for chunk in client.chat.completions.create(model=MODEL, stream=True, max_tokens=16, temperature=0,
-                                                messages=[{"role": "user", "content": "Say hello."}]):
+    for chunk in client.chat.completions.create(
+        model=MODEL, stream=True, max_tokens=16, temperature=0, messages=[{"role": "user", "content": "Say hello."}]
+    ):
         if chunk.choices and chunk.choices[0].delta.content:
             pieces.append(chunk.choices[0].delta.content)
     assert "".join(pieces).startswith(chat.choices[0].message.content)
@@ -89,8 +91,7 @@ def test_greedy_output_equals_engine(http, default_engine):
     for prompt in prompts:
         ids = default_engine.tokenizer.encode(prompt)
         want = default_engine.generate(ids, {"temperature": 0, "max_new_tokens": 16})
-        r = http.post("/generate", json={"input_ids": ids, "sampling_params": {"temperature": 0,
-                                                                               "max_new_tokens": 16}})
+        r = http.post("/generate", json={"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 16}})
         assert r.status_code == 200, r.text
         assert r.json()["output_ids"] == want.token_ids
         assert r.json()["text"] == want.text
@@ -103,36 +104,65 @@ def test_stop_strings_at_the_ingress_equal_engine(http, default_engine):
     ids = default_engine.tokenizer.encode("Write a short story about a lighthouse keeper.")
     sampled = {"temperature": 0.9, "seed": 11, "max_new_tokens": 40}
     first, second = default_engine.generate(ids, dict(sampled, n=2))
-    stop = first.text[len(first.text) // 2:][:3]  # occurs in choice 0's text, mid-way
+    stop = first.text[len(first.text) // 2 :][:3]  # occurs in choice 0's text, mid-way
     assert stop.strip() and stop in first.text
     for n in (1, 2):
         want = default_engine.generate(ids, dict(sampled, n=n, stop=[stop]))
         want = want if n > 1 else [want]
-        r = http.post("/v1/completions", json={"model": MODEL, "prompt": ids, "n": n, "temperature": 0.9, "seed": 11,
-                                               "max_tokens": 40, "stop": [stop]})
+        r = http.post(
+            "/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": ids,
+                "n": n,
+                "temperature": 0.9,
+                "seed": 11,
+                "max_tokens": 40,
+                "stop": [stop],
+            },
+        )
         assert r.status_code == 200, r.text
         got = sorted(r.json()["choices"], key=lambda c: c["index"])
         assert [c["text"] for c in got] == [w.text for w in want]
         assert [c["finish_reason"] for c in got] == [w.finish_reason for w in want]
         assert want[0].finish_reason == "stop" and want[0].matched_stop == stop
         assert r.json()["usage"]["completion_tokens"] == sum(w.completion_tokens for w in want)
-    _wait(lambda: all(w["engine"].get("running", 1) == 0 and w["engine"].get("waiting", 1) == 0
-                      and w["in_flight"] == 0 for w in _stats(http)["workers"].values()), 20,
-          "stopped choices aborted on the workers and finished at the router")
+    _wait(
+        lambda: all(
+            w["engine"].get("running", 1) == 0 and w["engine"].get("waiting", 1) == 0 and w["in_flight"] == 0
+            for w in _stats(http)["workers"].values()
+        ),
+        20,
+        "stopped choices aborted on the workers and finished at the router",
+    )
 
 
 def test_every_request_runs_on_the_routed_worker(cluster):
     """Pinning proof: for many concurrent requests (and one batched request, whose prompts are
     routed concurrently from one HTTP request), the worker that served each rid is the one the
     router chose for it."""
+
     async def run() -> list:
         async with httpx.AsyncClient(base_url=cluster, timeout=120) as client:
-            single = [client.post("/generate", json={
-                "rid": f"pin-{i}", "text": f"Request number {i} says", "sampling_params": {
-                    "temperature": 0, "max_new_tokens": 4}}) for i in range(24)]
-            batch = client.post("/generate", json={
-                "rid": "pinbatch", "text": [f"Batch prompt {i}:" for i in range(6)],
-                "sampling_params": {"temperature": 0, "max_new_tokens": 4}})
+            single = [
+                client.post(
+                    "/generate",
+                    json={
+                        "rid": f"pin-{i}",
+                        "text": f"Request number {i} says",
+                        "sampling_params": {"temperature": 0, "max_new_tokens": 4},
+                    },
+                )
+                for i in range(24)
+            ]
+            batch = client.post(
+                "/generate",
+                json={
+                    "rid": "pinbatch",
+                    "text": [f"Batch prompt {i}:" for i in range(6)],
+                    "sampling_params": {"temperature": 0, "max_new_tokens": 4},
+                },
+            )
             return await asyncio.gather(*single, batch)
 
     responses = asyncio.run(run())
@@ -157,17 +187,21 @@ def test_router_stats_and_cluster_metrics(http):
     _wait(lambda: all(w["events_applied"] > 0 for w in _stats(http)["workers"].values()), 10, "cache events")
     text = http.get("/metrics").text
     for wid in s["workers"]:
-        assert f'radixserve_worker_kv_cache_usage_ratio{{model_name="{MODEL}",pool="unified",replica="{wid}"}}' \
-            in text
-        assert f'radixserve_worker_prefix_cache_hit_rate{{model_name="{MODEL}",pool="unified",replica="{wid}"}}' \
-            in text
+        assert f'radixserve_worker_kv_cache_usage_ratio{{model_name="{MODEL}",pool="unified",replica="{wid}"}}' in text
+        assert f'radixserve_worker_prefix_cache_hit_rate{{model_name="{MODEL}",pool="unified",replica="{wid}"}}' in text
     assert "radixserve_time_to_first_token_seconds_bucket" in text
     assert "radixserve_router_decision_latency_ms" in text
 
 
 def test_client_disconnect_aborts_on_the_worker(cluster, http):
-    body = {"model": MODEL, "prompt": "Count forever:", "max_tokens": 2000, "ignore_eos": True,
-            "temperature": 0, "stream": True}
+    body = {
+        "model": MODEL,
+        "prompt": "Count forever:",
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
     with httpx.Client(base_url=cluster, timeout=120) as client:
         with client.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
@@ -198,8 +232,14 @@ def test_dead_worker_is_purged_and_replaced(http):
     ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP}#Worker#{victim}", namespace="serve"), no_restart=True)
 
     def gen(i: int):
-        return http.post("/generate", json={"rid": f"after-kill-{i}", "text": f"Hello {i}",
-                                            "sampling_params": {"temperature": 0, "max_new_tokens": 4}})
+        return http.post(
+            "/generate",
+            json={
+                "rid": f"after-kill-{i}",
+                "text": f"Hello {i}",
+                "sampling_params": {"temperature": 0, "max_new_tokens": 4},
+            },
+        )
 
     early = [gen(i) for i in range(4)]  # right after the kill: must not fail
     assert [r.status_code for r in early] == [200] * 4, [r.text for r in early]

@@ -1,4 +1,5 @@
 """ClusterArgs and the builder, without a Ray cluster: fast checks that bad config fails early."""
+
 import typing
 
 import pytest
@@ -11,8 +12,9 @@ from engine.config import EngineConfig
 
 
 def test_defaults_and_cli_strings():
-    args = ClusterArgs.model_validate({"workers": "2", "policy": "round_robin", "page_size": "16",
-                                       "num_cpus": "0.5", "cache_threshold": "0.3"})
+    args = ClusterArgs.model_validate(
+        {"workers": "2", "policy": "round_robin", "page_size": "16", "num_cpus": "0.5", "cache_threshold": "0.3"}
+    )
     assert (args.workers, args.policy, args.page_size, args.num_cpus) == (2, "round_robin", 16, 0.5)
     assert args.engine_options()["page_size"] == 16
     assert ClusterArgs().workers == 1 and ClusterArgs().policy == "cache_aware"
@@ -37,12 +39,19 @@ def test_engine_options_follow_engine_config():
     assert "page_size" in ENGINE_OPTIONS and "skip_tokenizer_init" not in ENGINE_OPTIONS
 
 
-@pytest.mark.parametrize("bad, where", [
-    ({"workers": 0}, "workers"), ({"policy": "fastest"}, "policy"), ({"wokers": 2}, "wokers"),
-    ({"cache_threshold": 2}, "cache_threshold"), ({"page_size": 0}, "page_size"),
-    ({"schedule_policy": "sjf"}, "schedule_policy"), ({"model": "/no/such/model"}, "not found"),
-    ({"dtype": "int3"}, "dtype"),
-])
+@pytest.mark.parametrize(
+    "bad, where",
+    [
+        ({"workers": 0}, "workers"),
+        ({"policy": "fastest"}, "policy"),
+        ({"wokers": 2}, "wokers"),
+        ({"cache_threshold": 2}, "cache_threshold"),
+        ({"page_size": 0}, "page_size"),
+        ({"schedule_policy": "sjf"}, "schedule_policy"),
+        ({"model": "/no/such/model"}, "not found"),
+        ({"dtype": "int3"}, "dtype"),
+    ],
+)
 def test_invalid_config_fails_fast(bad, where):
     with pytest.raises(ValidationError) as info:
         ClusterArgs.model_validate(bad)
@@ -82,10 +91,10 @@ def test_default_worker_cpus_fit_a_small_ray_cluster(monkeypatch):
     monkeypatch.setattr(app_module.ray, "is_initialized", lambda: True)
     monkeypatch.setattr(app_module.ray, "cluster_resources", lambda: {"CPU": 2.0})
     share = app_module._cpus_per_worker
-    assert share(ClusterArgs()) == 1.0                                            # 1 worker: 1.65 spare
-    assert share(ClusterArgs(mode="disaggregated")) == 0.8                        # 2 workers share 1.65
+    assert share(ClusterArgs()) == 1.0  # 1 worker: 1.65 spare
+    assert share(ClusterArgs(mode="disaggregated")) == 0.8  # 2 workers share 1.65
     assert share(ClusterArgs(workers=8)) == 0.2
-    assert share(ClusterArgs(workers=8, num_cpus=1)) == 1                         # explicit wins
+    assert share(ClusterArgs(workers=8, num_cpus=1)) == 1  # explicit wins
     monkeypatch.setattr(app_module.ray, "is_initialized", lambda: False)  # `serve run` before Ray starts
     monkeypatch.setattr(app_module.os, "cpu_count", lambda: 2)
     assert share(ClusterArgs(mode="disaggregated")) == 0.8

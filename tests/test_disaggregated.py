@@ -7,6 +7,7 @@ both replicas pinned per request, and failures — client aborts at several poin
 replica killed mid-stream — end every request within a bound, leave no page in use on the
 survivors, and later requests succeed.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -30,9 +31,18 @@ LONG_PROMPT = " ".join(f"item {i} is filed under section {i % 7}." for i in rang
 
 @pytest.fixture(scope="module")
 def cluster():
-    args = ClusterArgs(mode="disaggregated", prefill_workers=1, decode_workers=1, kv_transfer="nixl",
-                       num_cpus=0.5, max_total_tokens=4096, page_size=PAGE, report_interval_s=0.25,
-                       kv_transfer_timeout_s=20, health_check_period_s=1.0)
+    args = ClusterArgs(
+        mode="disaggregated",
+        prefill_workers=1,
+        decode_workers=1,
+        kv_transfer="nixl",
+        num_cpus=0.5,
+        max_total_tokens=4096,
+        page_size=PAGE,
+        report_interval_s=0.25,
+        kv_transfer_timeout_s=20,
+        health_check_period_s=1.0,
+    )
     yield start_serve(args, APP)
     stop_serve()
 
@@ -78,8 +88,9 @@ def _all_idle_and_clean(http) -> bool:
 
 
 def _completion(http, prompt: str, max_tokens: int = 16, **extra) -> dict:
-    r = http.post("/v1/completions", json=dict(model=MODEL, prompt=prompt, max_tokens=max_tokens,
-                                              temperature=0.0, **extra))
+    r = http.post(
+        "/v1/completions", json=dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0.0, **extra)
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -89,8 +100,12 @@ def test_greedy_outputs_identical_to_unified(http, reference):
 
     async def all_at_once():
         async with httpx.AsyncClient(base_url=str(http.base_url), timeout=180) as client:
-            rs = await asyncio.gather(*(client.post("/v1/completions", json=dict(
-                model=MODEL, prompt=p, max_tokens=16, temperature=0.0)) for p in PROMPTS))
+            rs = await asyncio.gather(
+                *(
+                    client.post("/v1/completions", json=dict(model=MODEL, prompt=p, max_tokens=16, temperature=0.0))
+                    for p in PROMPTS
+                )
+            )
         return [r.json()["choices"][0]["text"] for r in rs]
 
     assert asyncio.run(all_at_once()) == want
@@ -102,11 +117,21 @@ def test_greedy_outputs_identical_to_unified(http, reference):
 def test_streaming_identical_and_usage(http, reference):
     want = reference.generate(PROMPTS[6], dict(max_new_tokens=24, temperature=0.0))
     text, usage = "", None
-    with http.stream("POST", "/v1/completions", json=dict(
-            model=MODEL, prompt=PROMPTS[6], max_tokens=24, temperature=0.0, stream=True,
-            stream_options={"include_usage": True})) as r:
+    with http.stream(
+        "POST",
+        "/v1/completions",
+        json=dict(
+            model=MODEL,
+            prompt=PROMPTS[6],
+            max_tokens=24,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+        ),
+    ) as r:
         assert r.status_code == 200
         import json
+
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -141,11 +166,16 @@ def test_prefix_reuse_on_both_pools(http):
 def test_client_abort_at_any_point_leaks_nothing(http, after_s):
     async def abort_after():
         async with httpx.AsyncClient(base_url=str(http.base_url), timeout=60) as client:
+
             async def stream():
-                async with client.stream("POST", "/v1/completions", json=dict(
-                        model=MODEL, prompt=LONG_PROMPT, max_tokens=64, temperature=0.0, stream=True)) as r:
+                async with client.stream(
+                    "POST",
+                    "/v1/completions",
+                    json=dict(model=MODEL, prompt=LONG_PROMPT, max_tokens=64, temperature=0.0, stream=True),
+                ) as r:
                     async for _ in r.aiter_lines():
                         pass
+
             task = asyncio.ensure_future(stream())
             await asyncio.sleep(after_s)
             task.cancel()
@@ -167,6 +197,7 @@ def _kill_during(http, deployment_name: str, delay_s: float, stream: bool):
 
     async def run():
         async with httpx.AsyncClient(base_url=str(http.base_url), timeout=150) as client:
+
             async def request():
                 body = dict(model=MODEL, prompt=LONG_PROMPT, max_tokens=48, temperature=0.0, stream=stream)
                 if not stream:
@@ -191,8 +222,11 @@ def _kill_during(http, deployment_name: str, delay_s: float, stream: bool):
 
 
 def _wait_replaced(http, pool: str, dead: str) -> None:
-    _wait(lambda: dead not in _pools(http).get(pool, {}) and len(_pools(http).get(pool, {})) == 1,
-          120, f"{pool} replica {dead} replaced")
+    _wait(
+        lambda: dead not in _pools(http).get(pool, {}) and len(_pools(http).get(pool, {})) == 1,
+        120,
+        f"{pool} replica {dead} replaced",
+    )
 
 
 def test_prefill_replica_killed_mid_request(http):

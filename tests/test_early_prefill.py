@@ -2,6 +2,7 @@
 (early_prefill) are claimed once by the decode replica's prefill call, dropped when forgotten or
 unclaimed for their TTL, and not started beyond the token limit. The engine is a stand-in recording
 what is asked of it (tests/test_disaggregated.py runs the whole path with the real one)."""
+
 import asyncio
 from types import SimpleNamespace
 
@@ -45,9 +46,15 @@ def test_claim_takes_the_started_prompt_once():
         prompts.engine.done.set()
         assert (await started.task).rid == "k1"
         prompts.start([1, 2, 3], params, "k1")  # late: already claimed
-        assert prompts.stats() == dict(early_prefill_started=1, early_prefill_claimed=1, early_prefill_dropped=0,
-                                       early_prefill_skipped=0, early_prefill_held=0)
+        assert prompts.stats() == dict(
+            early_prefill_started=1,
+            early_prefill_claimed=1,
+            early_prefill_dropped=0,
+            early_prefill_skipped=0,
+            early_prefill_held=0,
+        )
         assert prompts.engine.released == []  # the claimer releases the hold after its transfer
+
     asyncio.run(run())
 
 
@@ -59,6 +66,7 @@ def test_claim_with_other_inputs_drops_the_started_prompt():
         assert prompts.claim("k", [1, 2, 3], SamplingParams(seed=2)) is None  # other params: computed anew
         await _settle()
         assert prompts.engine.aborted == ["k"] and prompts.counters["early_prefill_dropped"] == 1
+
     asyncio.run(run())
 
 
@@ -79,6 +87,7 @@ def test_forget_aborts_a_running_prompt_and_releases_a_finished_one():
         assert prompts.stats()["early_prefill_held"] == 0
         prompts.start([2], SamplingParams(), "kb")  # a start after the forget is ignored
         assert prompts.counters["early_prefill_started"] == 2
+
     asyncio.run(run())
 
 
@@ -90,6 +99,7 @@ def test_unclaimed_prompts_expire():
         await asyncio.sleep(1.5)  # the sweeper wakes every second
         assert prompts.engine.released == ["k"] and prompts.stats()["early_prefill_held"] == 0
         assert prompts.counters["early_prefill_dropped"] == 1
+
     asyncio.run(run())
 
 
@@ -105,4 +115,5 @@ def test_prompts_beyond_the_limit_start_only_when_claimed():
         prompts.start(list(range(40)), SamplingParams(), "kc")  # the claim freed its tokens
         await _settle()
         assert prompts.engine.started == ["ka", "kc"]
+
     asyncio.run(run())

@@ -1,4 +1,5 @@
 """Engine API: sampling features, streaming, abort, finish reasons, typed errors, no leaks."""
+
 from __future__ import annotations
 
 import asyncio
@@ -8,15 +9,22 @@ import random
 import pytest
 
 from conftest import assert_no_leak, make_engine
-from engine import (InvalidConfigError, InvalidRequestError, ModelNotFoundError, PromptTooLongError,
-                    SamplingParams, UnsupportedModelError)
+from engine import (
+    InvalidConfigError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    PromptTooLongError,
+    SamplingParams,
+    UnsupportedModelError,
+)
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
 
 
 def test_generate_output_fields(default_engine):
-    out = default_engine.generate(PROMPT, SamplingParams(temperature=0, max_new_tokens=8, logprobs=True,
-                                                         top_logprobs=3))
+    out = default_engine.generate(
+        PROMPT, SamplingParams(temperature=0, max_new_tokens=8, logprobs=True, top_logprobs=3)
+    )
     assert out.completion_tokens == len(out.token_ids) <= 8
     assert out.prompt_tokens == len(default_engine.tokenizer.encode(PROMPT))
     assert out.text == default_engine.tokenizer.decode(out.token_ids)
@@ -30,8 +38,9 @@ def test_generate_output_fields(default_engine):
 def test_seed_reproducible_whatever_the_batch(default_engine):
     params = dict(temperature=0.9, top_p=0.95, max_new_tokens=16, seed=1234)
     alone = default_engine.generate(PROMPT, params).token_ids
-    crowd = default_engine.generate(["Hello", PROMPT, "1, 2, 3,"],
-                                    [dict(temperature=1.0, max_new_tokens=16), params, dict(temperature=0.5)])
+    crowd = default_engine.generate(
+        ["Hello", PROMPT, "1, 2, 3,"], [dict(temperature=1.0, max_new_tokens=16), params, dict(temperature=0.5)]
+    )
     assert crowd[1].token_ids == alone
     other = default_engine.generate(PROMPT, {**params, "seed": 4321}).token_ids
     assert other != alone
@@ -49,12 +58,15 @@ def test_n_choices_share_the_prompt_kv(default_engine):
 
 
 def test_penalties_and_filters_run(default_engine):
-    outs = default_engine.generate([PROMPT] * 4, [
-        dict(temperature=0.7, top_k=5, max_new_tokens=10, seed=1),
-        dict(temperature=1.0, min_p=0.2, max_new_tokens=10, seed=2),
-        dict(temperature=0, repetition_penalty=1.3, max_new_tokens=10),
-        dict(temperature=0.8, frequency_penalty=1.0, presence_penalty=0.5, max_new_tokens=10, seed=3),
-    ])
+    outs = default_engine.generate(
+        [PROMPT] * 4,
+        [
+            dict(temperature=0.7, top_k=5, max_new_tokens=10, seed=1),
+            dict(temperature=1.0, min_p=0.2, max_new_tokens=10, seed=2),
+            dict(temperature=0, repetition_penalty=1.3, max_new_tokens=10),
+            dict(temperature=0.8, frequency_penalty=1.0, presence_penalty=0.5, max_new_tokens=10, seed=3),
+        ],
+    )
     assert all(o.completion_tokens == 10 or o.finish_reason == "stop" for o in outs)
 
 
@@ -65,11 +77,11 @@ def test_finish_reasons(default_engine):
     word = greedy.text.split()[2]
     stopped = default_engine.generate(PROMPT, dict(temperature=0, max_new_tokens=20, stop=[word]))
     assert stopped.finish_reason == "stop" and stopped.matched_stop == word
-    assert stopped.text == greedy.text[:greedy.text.index(word)]
+    assert stopped.text == greedy.text[: greedy.text.index(word)]
     # stop token id
     stop_id = greedy.token_ids[3]
     by_id = default_engine.generate(PROMPT, dict(temperature=0, max_new_tokens=20, stop_token_ids=[stop_id]))
-    assert by_id.finish_reason == "stop" and by_id.token_ids == greedy.token_ids[:greedy.token_ids.index(stop_id) + 1]
+    assert by_id.finish_reason == "stop" and by_id.token_ids == greedy.token_ids[: greedy.token_ids.index(stop_id) + 1]
     # max_new_tokens (0: prefill only, the prompt is cached)
     assert default_engine.generate(PROMPT, dict(temperature=0, max_new_tokens=3)).finish_reason == "length"
     zero = default_engine.generate(PROMPT + " zero", dict(max_new_tokens=0))
@@ -78,9 +90,8 @@ def test_finish_reasons(default_engine):
     chat = tok.apply_chat_template([{"role": "user", "content": "Say hi."}])
     eos = default_engine.generate(chat, dict(temperature=0, max_new_tokens=64))
     assert eos.finish_reason == "stop" and eos.token_ids[-1] in tok.eos_token_ids
-    forced = default_engine.generate(chat, dict(temperature=0, max_new_tokens=len(eos.token_ids) + 3,
-                                                ignore_eos=True))
-    assert forced.finish_reason == "length" and forced.token_ids[:len(eos.token_ids)] == eos.token_ids
+    forced = default_engine.generate(chat, dict(temperature=0, max_new_tokens=len(eos.token_ids) + 3, ignore_eos=True))
+    assert forced.finish_reason == "length" and forced.token_ids[: len(eos.token_ids)] == eos.token_ids
     assert_no_leak(default_engine)
 
 
@@ -108,17 +119,20 @@ def test_stream_matches_generate(default_engine):
     assert chunks[-1].finish_reason == full.finish_reason and chunks[-1].completion_tokens == full.completion_tokens
 
 
-@pytest.mark.parametrize("bad, param", [
-    (dict(max_new_tokens=-1), "max_new_tokens"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(temperature=-0.1), "temperature"),
-    (dict(top_k=0), "top_k"),
-    (dict(min_p=2.0), "min_p"),
-    (dict(n=0), "n"),
-    (dict(top_logprobs=50), "top_logprobs"),
-    (dict(bogus=1), "bogus"),
-])
+@pytest.mark.parametrize(
+    "bad, param",
+    [
+        (dict(max_new_tokens=-1), "max_new_tokens"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_k=0), "top_k"),
+        (dict(min_p=2.0), "min_p"),
+        (dict(n=0), "n"),
+        (dict(top_logprobs=50), "top_logprobs"),
+        (dict(bogus=1), "bogus"),
+    ],
+)
 def test_invalid_sampling_params_are_typed_errors(default_engine, bad, param):
     with pytest.raises(InvalidRequestError) as err:
         default_engine.generate(PROMPT, bad)
@@ -158,8 +172,12 @@ def test_randomized_abort_retract_finish_mix_leaks_nothing():
     with make_engine(max_total_tokens=384, page_size=4, max_running_requests=6) as engine:
 
         async def one(i):
-            params = dict(temperature=rng.choice([0, 0.8]), max_new_tokens=rng.randint(1, 40), seed=i,
-                          ignore_eos=rng.random() < 0.5)
+            params = dict(
+                temperature=rng.choice([0, 0.8]),
+                max_new_tokens=rng.randint(1, 40),
+                seed=i,
+                ignore_eos=rng.random() < 0.5,
+            )
             prompt = " ".join(rng.choice(["alpha", "beta", "gamma", "delta"]) for _ in range(rng.randint(3, 60)))
             abort_after = rng.choice([None, None, 0, 1, 3])
             seen = 0

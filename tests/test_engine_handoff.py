@@ -5,6 +5,7 @@ them with cluster.kv_transfer); what is checked here is the engine contract: gre
 those of one engine doing both, seeded sampling continues identically, both sides reuse their
 radix caches, and aborts at every stage leak nothing on either side.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -80,8 +81,9 @@ def test_greedy_outputs_identical_to_unified(engines):
     want = [o.token_ids for o in unified.generate(PROMPTS, params)]
 
     async def run_all():
-        return await asyncio.gather(*(disaggregated(prefill, decode, p, params, f"g{i}")
-                                      for i, p in enumerate(PROMPTS)))
+        return await asyncio.gather(
+            *(disaggregated(prefill, decode, p, params, f"g{i}") for i, p in enumerate(PROMPTS))
+        )
 
     got = asyncio.run(run_all())
     assert [g[0] for g in got] == want
@@ -107,20 +109,22 @@ def test_both_sides_reuse_their_caches(engines):
     params = dict(max_new_tokens=4, temperature=0.0)
     asyncio.run(disaggregated(prefill, decode, system + "Question one?", params, "c1"))
     _, _, last, seen = asyncio.run(disaggregated(prefill, decode, system + "Question two?", params, "c2"))
-    assert seen["reservation"].prefix_len > 0          # decode matched its own cache: less to transfer
-    assert seen["handoff"].cached_tokens > 0           # prefill reused its cache
+    assert seen["reservation"].prefix_len > 0  # decode matched its own cache: less to transfer
+    assert seen["handoff"].cached_tokens > 0  # prefill reused its cache
     assert last.cached_tokens == seen["handoff"].cached_tokens
     assert seen["reservation"].prefix_len % PAGE == 0
-    assert len(seen["reservation"].dst_pages) == -(-(seen["reservation"].prompt_len
-                                                      - seen["reservation"].prefix_len) // PAGE)
+    assert len(seen["reservation"].dst_pages) == -(
+        -(seen["reservation"].prompt_len - seen["reservation"].prefix_len) // PAGE
+    )
 
 
 @pytest.mark.parametrize("fail_at", ["before_prefill", "transfer"])
 def test_failures_free_every_page_on_both_sides(engines, fail_at):
     _, prefill, decode = engines
     with pytest.raises((RuntimeError, TimeoutError)):
-        asyncio.run(disaggregated(prefill, decode, PROMPTS[0] * 3, dict(max_new_tokens=8), f"f-{fail_at}",
-                                  fail_at=fail_at))
+        asyncio.run(
+            disaggregated(prefill, decode, PROMPTS[0] * 3, dict(max_new_tokens=8), f"f-{fail_at}", fail_at=fail_at)
+        )
     for e in (prefill, decode):
         wait_idle(e)
         assert_no_leak(e)
@@ -143,8 +147,9 @@ def test_client_cancel_while_waiting_for_prefill(engines):
             await asyncio.sleep(30)
 
         async def consume():
-            async for _ in decode.generate_stream(PROMPTS[1], dict(max_new_tokens=8), rid="cancel",
-                                                  remote_prefill=slow_prefill):
+            async for _ in decode.generate_stream(
+                PROMPTS[1], dict(max_new_tokens=8), rid="cancel", remote_prefill=slow_prefill
+            ):
                 pass
 
         task = asyncio.ensure_future(consume())
@@ -154,8 +159,9 @@ def test_client_cancel_while_waiting_for_prefill(engines):
         with pytest.raises(asyncio.CancelledError):
             await task
 
-        ptask = asyncio.ensure_future(prefill.prefill_for_handoff(PROMPTS[2] * 4, dict(max_new_tokens=8),
-                                                                  rid="pcancel"))
+        ptask = asyncio.ensure_future(
+            prefill.prefill_for_handoff(PROMPTS[2] * 4, dict(max_new_tokens=8), rid="pcancel")
+        )
         await asyncio.sleep(0)
         ptask.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -5,6 +5,7 @@ Reference 2: the engine's own default configuration; every optimisation
 (chunked prefill, prefix reuse, page sizes, retraction, batch composition)
 must reproduce its greedy tokens exactly.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -38,14 +39,18 @@ def test_greedy_matches_transformers(default_engine):
     assert_no_leak(default_engine)
 
 
-@pytest.mark.parametrize("options", [
-    dict(chunked_prefill_size=7),
-    dict(chunked_prefill_size=64),
-    dict(page_size=16, chunked_prefill_size=16),
-    dict(page_size=16),
-    dict(schedule_policy="fcfs", max_running_requests=3),
-    dict(disable_radix_cache=True),
-], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(chunked_prefill_size=7),
+        dict(chunked_prefill_size=64),
+        dict(page_size=16, chunked_prefill_size=16),
+        dict(page_size=16),
+        dict(schedule_policy="fcfs", max_running_requests=3),
+        dict(disable_radix_cache=True),
+    ],
+    ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()),
+)
 def test_greedy_unchanged_by_engine_options(reference, options):
     with make_engine(**options) as engine:
         got = [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]

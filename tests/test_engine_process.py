@@ -1,6 +1,7 @@
 """The EngineCore in a process of its own (EngineConfig.core_process, what servers run): the same outputs as
 the core in a thread, the same errors, no leaked page, and a dead core fails every request instead of
 hanging it."""
+
 import asyncio
 import json
 import os
@@ -23,6 +24,7 @@ def process_engine():
 def _stream(engine, prompt, params, **kw):
     async def run():
         return [out async for out in engine.generate_stream(prompt, params, **kw)]
+
     return asyncio.run(run())
 
 
@@ -32,15 +34,19 @@ def test_core_runs_in_another_process(process_engine):
         process_engine.runner
 
 
-@pytest.mark.parametrize("sampling", [
-    dict(temperature=0, max_new_tokens=24),
-    dict(temperature=0.8, top_p=0.9, seed=7, n=2, max_new_tokens=16, logprobs=True, top_logprobs=2),
-])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        dict(temperature=0, max_new_tokens=24),
+        dict(temperature=0.8, top_p=0.9, seed=7, n=2, max_new_tokens=16, logprobs=True, top_logprobs=2),
+    ],
+)
 def test_outputs_equal_the_core_in_a_thread(process_engine, default_engine, sampling):
     want = default_engine.generate(PROMPTS, sampling)
     got = process_engine.generate(PROMPTS, sampling)
     assert [(o.text, o.token_ids, o.finish_reason) for o in got] == [
-        (o.text, o.token_ids, o.finish_reason) for o in want]
+        (o.text, o.token_ids, o.finish_reason) for o in want
+    ]
     if sampling.get("logprobs"):
         assert [[lp.token_id for lp in o.logprobs] for o in got] == [o.token_ids for o in got]
     assert_no_leak(process_engine)
@@ -49,7 +55,7 @@ def test_outputs_equal_the_core_in_a_thread(process_engine, default_engine, samp
 def test_stream_with_a_stop_string_equals_the_thread_core(process_engine, default_engine):
     params = dict(temperature=0, max_new_tokens=40, ignore_eos=True)
     full = default_engine.generate(PROMPTS[3], params).text
-    stop = full[len(full) // 2:][:5]
+    stop = full[len(full) // 2 :][:5]
     want = default_engine.generate(PROMPTS[3], dict(params, stop=[stop]))
     outs = _stream(process_engine, PROMPTS[3], dict(params, stop=[stop]))
     assert "".join(o.text for o in outs) == want.text and outs[-1].matched_stop == stop
@@ -63,13 +69,14 @@ def test_a_stream_closed_early_frees_its_pages(process_engine):
         got = [await gen.__anext__() for _ in range(3)]
         await gen.aclose()
         return got
+
     assert len(asyncio.run(run())) == 3
     assert_no_leak(process_engine)
 
 
 def test_bad_input_raises_typed_errors(process_engine):
     with pytest.raises(InvalidRequestError, match="token ids"):
-        process_engine.generate([10 ** 9], dict(max_new_tokens=2))
+        process_engine.generate([10**9], dict(max_new_tokens=2))
     with pytest.raises(InvalidRequestError) as err:  # compiled in the core process, raised here
         _stream(process_engine, "x", SamplingParams(max_new_tokens=4, json_schema='{"type": "nope"}'))
     assert err.value.param == "json_schema"
@@ -82,13 +89,16 @@ def test_bad_input_raises_typed_errors(process_engine):
                 await process_engine.generate_stream(PROMPTS[0], dict(max_new_tokens=2), rid="same").__anext__()
         finally:
             await first.aclose()
+
     asyncio.run(reuse())
     assert_no_leak(process_engine)
 
 
 def test_structured_output_through_the_core_process(process_engine, default_engine):
-    prompt = ("<|im_start|>user\nGive me a short JSON object describing a cat, with its name and age.<|im_end|>\n"
-              "<|im_start|>assistant\n")
+    prompt = (
+        "<|im_start|>user\nGive me a short JSON object describing a cat, with its name and age.<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
     params = dict(json_schema='{"type": "object"}', temperature=0, max_new_tokens=150)
     got, want = process_engine.generate(prompt, params), default_engine.generate(prompt, params)
     assert got.finish_reason == "stop" and isinstance(json.loads(got.text), dict)
@@ -98,13 +108,15 @@ def test_structured_output_through_the_core_process(process_engine, default_engi
 def test_a_killed_core_fails_every_request():
     engine = make_engine(core_process=True)
     try:
+
         async def run():
-            gen = engine.generate_stream(PROMPTS[0], dict(max_new_tokens=10 ** 4, ignore_eos=True))
+            gen = engine.generate_stream(PROMPTS[0], dict(max_new_tokens=10**4, ignore_eos=True))
             await gen.__anext__()
             os.kill(engine.core.pid, signal.SIGKILL)
             with pytest.raises(EngineDeadError):
                 async for _ in gen:
                     pass
+
         asyncio.run(asyncio.wait_for(run(), 60))
         with pytest.raises(EngineDeadError):
             engine.generate("more", dict(max_new_tokens=2))

@@ -7,6 +7,7 @@ programmatic dependent launch on Hopper, and the @pytest.mark.gpu tests add the 
 Tolerance: the kernel and the reference both sum in float32 and round once; only the summation order
 differs, so fp32 agrees to ~1e-5 relative and bf16 / fp16 to one ulp of the output dtype.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,11 @@ from kernels.triton.sampling import argmax  # noqa: E402
 fix_interpreter_scalar_index()
 GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if GPU else "cpu")
-ULP = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2 ** -7, atol=1e-2),
-       torch.float16: dict(rtol=2 ** -10, atol=1e-3)}
+ULP = {
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.bfloat16: dict(rtol=2**-7, atol=1e-2),
+    torch.float16: dict(rtol=2**-10, atol=1e-3),
+}
 
 
 def randn(*shape, dtype, seed=0, scale=1.0):
@@ -37,7 +41,7 @@ def randn(*shape, dtype, seed=0, scale=1.0):
 def tol(dtype):
     # the CPU interpreter truncates float32 -> bf16 where torch rounds: one more ulp there
     if not GPU and dtype == torch.bfloat16:
-        return dict(rtol=2 ** -6, atol=2e-2)
+        return dict(rtol=2**-6, atol=2e-2)
     return ULP[dtype]
 
 
@@ -46,7 +50,7 @@ def tol(dtype):
 def test_gemv_matches_reference(dtype, n, k, bias):
     """Rows that do not fill the last program (37, 5), K shorter than or not a multiple of the tile (96, 40)."""
     x = randn(1, k, dtype=dtype)
-    w = randn(n, k, dtype=dtype, seed=1, scale=k ** -0.5)
+    w = randn(n, k, dtype=dtype, seed=1, scale=k**-0.5)
     b = randn(n, dtype=dtype, seed=2) if bias else None
     y = gemv(x, w, b)
     assert y.shape == (1, n) and y.dtype == dtype
@@ -92,8 +96,8 @@ def test_gemv_is_deterministic():
 def test_pick_config_tiles():
     """The tiles bench_gemv --sweep chose for Llama-3.1-8B on an H100, and small shapes fitted."""
     bf16 = torch.bfloat16
-    assert pick_config(6144, 4096, bf16) == GemvConfig(16, 512, 4)   # qkv
-    assert pick_config(4096, 4096, bf16) == GemvConfig(8, 512, 8)    # o
+    assert pick_config(6144, 4096, bf16) == GemvConfig(16, 512, 4)  # qkv
+    assert pick_config(4096, 4096, bf16) == GemvConfig(8, 512, 8)  # o
     assert pick_config(28672, 4096, bf16) == GemvConfig(4, 1024, 4)  # gate_up
     assert pick_config(4096, 14336, bf16) == GemvConfig(4, 1024, 8)  # down
     assert pick_config(128256, 4096, bf16) == GemvConfig(4, 1024, 4)  # lm_head
@@ -127,8 +131,10 @@ def test_linear_uses_gemv_only_for_one_row_on_cuda():
     torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
     if GPU:
         layer = layer.to(device=DEVICE, dtype=torch.bfloat16)
-        one, two = torch.randn(1, 64, device=DEVICE, dtype=torch.bfloat16), torch.randn(2, 64, device=DEVICE,
-                                                                                         dtype=torch.bfloat16)
+        one, two = (
+            torch.randn(1, 64, device=DEVICE, dtype=torch.bfloat16),
+            torch.randn(2, 64, device=DEVICE, dtype=torch.bfloat16),
+        )
         assert gemv_applies(layer, one) and not gemv_applies(layer, two)
         assert not gemv_applies(layer, one.float())  # float32 stays on F.linear (batch invariance)
         set_gemv(layer, False)
@@ -140,7 +146,7 @@ def test_linear_uses_gemv_only_for_one_row_on_cuda():
 def test_gpu_gemv_llama3_8b_shapes(n, k):
     """Llama-3.1-8B's decode products (qkv, o, gate_up, down, lm_head) against F.linear in bf16."""
     x = randn(1, k, dtype=torch.bfloat16)
-    w = randn(n, k, dtype=torch.bfloat16, seed=1, scale=k ** -0.5)
+    w = randn(n, k, dtype=torch.bfloat16, seed=1, scale=k**-0.5)
     y = gemv(x, w)
     torch.testing.assert_close(y, gemv_reference(x, w), **ULP[torch.bfloat16])
     torch.testing.assert_close(y, torch.nn.functional.linear(x, w), **ULP[torch.bfloat16])
@@ -151,7 +157,7 @@ def test_gpu_gemv_chain_in_a_cuda_graph():
     """A chain of dependent products (each reads the previous one's output) captured in a CUDA graph and
     replayed: with programmatic dependent launch a kernel starts before its predecessor ends, so a missing
     wait would read stale inputs. The replay must equal the eager chain bit for bit."""
-    ws = [randn(512, 512, dtype=torch.bfloat16, seed=i, scale=512 ** -0.5) for i in range(8)]
+    ws = [randn(512, 512, dtype=torch.bfloat16, seed=i, scale=512**-0.5) for i in range(8)]
     x0 = randn(1, 512, dtype=torch.bfloat16, seed=99)
 
     def chain(x):

@@ -8,6 +8,7 @@ all positions; for one backend, CUDA graphs on and off must give identical token
 split-K choice: see engine/runner/cuda_graph.py). float32 (Triton, IEEE dots): the GPU must reproduce the
 CPU float32 engine token for token.
 """
+
 from __future__ import annotations
 
 import gc
@@ -56,8 +57,9 @@ def bf16_runs():
     runs = {}
     for backend in ("flashinfer", "triton"):
         for graphs in (True, False):
-            ids, name, has_graphs = _generate(dtype="bfloat16", attention_backend=backend,
-                                              disable_cuda_graph=not graphs)
+            ids, name, has_graphs = _generate(
+                dtype="bfloat16", attention_backend=backend, disable_cuda_graph=not graphs
+            )
             assert name == backend and has_graphs == graphs
             runs[(backend, graphs)] = ids
     return runs
@@ -81,13 +83,17 @@ def test_gpu_backends_diverge_only_at_near_ties_in_bf16(bf16_runs):
     from engine.tokenizer import load_tokenizer
 
     fi, tr = bf16_runs[("flashinfer", True)], bf16_runs[("triton", True)]
-    print(f"engine, flashinfer vs triton (bf16): {_agreement(fi, tr):.1%} of tokens equal; "
-          f"first divergence per prompt {_first_divergence(fi, tr)}")
+    print(
+        f"engine, flashinfer vs triton (bf16): {_agreement(fi, tr):.1%} of tokens equal; "
+        f"first divergence per prompt {_first_divergence(fi, tr)}"
+    )
     source = resolve_model(None)
     model = load_model(source, load_config(source), "gguf", torch.bfloat16, torch.device("cuda"))
     prompts = [load_tokenizer(source).encode(p) for p in PROMPTS]
-    runs = {name: GreedyHarness(model, max_len=128, max_reqs=len(prompts), backend=name).generate(prompts, MAX_NEW)
-            for name in ("flashinfer", "triton", "torch_native")}
+    runs = {
+        name: GreedyHarness(model, max_len=128, max_reqs=len(prompts), backend=name).generate(prompts, MAX_NEW)
+        for name in ("flashinfer", "triton", "torch_native")
+    }
     ref = runs["torch_native"]
     for name in ("flashinfer", "triton"):
         res = runs[name]
@@ -99,8 +105,10 @@ def test_gpu_backends_diverge_only_at_near_ties_in_bf16(bf16_runs):
             for j in range(steps):
                 torch.testing.assert_close(res.decode_logits[i][j], ref.decode_logits[i][j], atol=LOGIT_TOL, rtol=0)
             if first is not None:
-                logits = [res.prefill_logits[i][-1] if first == 0 else res.decode_logits[i][first - 1],
-                          ref.prefill_logits[i][-1] if first == 0 else ref.decode_logits[i][first - 1]]
+                logits = [
+                    res.prefill_logits[i][-1] if first == 0 else res.decode_logits[i][first - 1],
+                    ref.prefill_logits[i][-1] if first == 0 else ref.decode_logits[i][first - 1],
+                ]
                 a, b = ours[first], theirs[first]
                 gaps = [abs(float(x[a] - x[b])) for x in logits]
                 print(f"{name} vs torch_native, prompt {i}: first divergence at token {first}, logit gap {gaps}")
@@ -130,13 +138,17 @@ def test_gpu_kv_pool_sized_from_free_memory():
     """No max_total_tokens: the pool takes what mem_fraction_static leaves after weights and activations."""
     sizes = {}
     for frac in (0.3, 0.5):
-        engine = make_engine(device="cuda", dtype="bfloat16", max_total_tokens=None, mem_fraction_static=frac,
-                             disable_cuda_graph=True)
+        engine = make_engine(
+            device="cuda", dtype="bfloat16", max_total_tokens=None, mem_fraction_static=frac, disable_cuda_graph=True
+        )
         try:
             sizes[frac] = engine.stats()["kv_total_tokens"]
-            per_token = engine.runner.kv_pool.bytes_per_token(engine.runner.model.num_layers,
-                                                              engine.runner.model.num_kv_heads,
-                                                              engine.runner.model.head_dim, torch.bfloat16)
+            per_token = engine.runner.kv_pool.bytes_per_token(
+                engine.runner.model.num_layers,
+                engine.runner.model.num_kv_heads,
+                engine.runner.model.head_dim,
+                torch.bfloat16,
+            )
         finally:
             engine.shutdown()
             del engine  # before the next engine measures free memory
@@ -155,12 +167,18 @@ def test_gpu_clear_errors_when_it_does_not_fit(tmp_path):
 
     with pytest.raises(OutOfMemoryError, match="KV tokens"):
         make_engine(device="cuda", dtype="bfloat16", max_total_tokens=None, mem_fraction_static=0.01)
-    huge = LlamaConfig(vocab_size=32000, hidden_size=16384, intermediate_size=53248, num_hidden_layers=120,
-                       num_attention_heads=128, num_key_value_heads=8, max_position_embeddings=4096)
+    huge = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=16384,
+        intermediate_size=53248,
+        num_hidden_layers=120,
+        num_attention_heads=128,
+        num_key_value_heads=8,
+        max_position_embeddings=4096,
+    )
     huge.save_pretrained(tmp_path)
     with pytest.raises(OutOfMemoryError, match="do not fit"):
-        make_engine(model=str(tmp_path), load_format="dummy", skip_tokenizer_init=True, device="cuda",
-                    dtype="bfloat16")
+        make_engine(model=str(tmp_path), load_format="dummy", skip_tokenizer_init=True, device="cuda", dtype="bfloat16")
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -200,14 +218,16 @@ def test_gpu_overlap_schedule_does_not_change_outputs(dtype):
         pytest.importorskip("flashinfer")
         params = dict(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True)
     else:
-        params = [dict(temperature=0.0, max_new_tokens=40),  # EOS after 30 tokens
-                  dict(temperature=0.0, max_new_tokens=40, stop=["\n\n"]),
-                  dict(temperature=0.0, max_new_tokens=24, stop=["3."]),
-                  dict(temperature=0.0, max_new_tokens=1),
-                  dict(temperature=0.8, top_p=0.95, seed=7, max_new_tokens=MAX_NEW),
-                  dict(temperature=0.0, max_new_tokens=5),
-                  dict(temperature=0.0, max_new_tokens=MAX_NEW, logprobs=True, top_logprobs=2),
-                  dict(temperature=0.9, top_k=40, seed=11, max_new_tokens=17)]
+        params = [
+            dict(temperature=0.0, max_new_tokens=40),  # EOS after 30 tokens
+            dict(temperature=0.0, max_new_tokens=40, stop=["\n\n"]),
+            dict(temperature=0.0, max_new_tokens=24, stop=["3."]),
+            dict(temperature=0.0, max_new_tokens=1),
+            dict(temperature=0.8, top_p=0.95, seed=7, max_new_tokens=MAX_NEW),
+            dict(temperature=0.0, max_new_tokens=5),
+            dict(temperature=0.0, max_new_tokens=MAX_NEW, logprobs=True, top_logprobs=2),
+            dict(temperature=0.9, top_k=40, seed=11, max_new_tokens=17),
+        ]
     on, off = _overlap_run(True, dtype, params), _overlap_run(False, dtype, params)
     assert on == off, f"first divergence per prompt: {_first_divergence([o[0] for o in on], [o[0] for o in off])}"
 
@@ -235,8 +255,9 @@ def test_gpu_planning_copies_do_not_synchronize():
             busy = busy @ busy / 64
         pool.write(1, 0, torch.arange(5, 10))
         pool.write_positions(torch.tensor([1]), torch.tensor([5]), torch.tensor([10]))
-        fb = ForwardBatch.build(ForwardMode.DECODE, [3, 4], [5, 6], torch.tensor([11, 12]), [1, 2], [6, 7], [5, 6],
-                                device)
+        fb = ForwardBatch.build(
+            ForwardMode.DECODE, [3, 4], [5, 6], torch.tensor([11, 12]), [1, 2], [6, 7], [5, 6], device
+        )
         x = to_device(torch.tensor([1.5, 2.5]), device)
         slots = allocator.alloc_extend([0], [6], [-1])
         pool.write(2, 0, slots)

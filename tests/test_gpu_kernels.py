@@ -9,6 +9,7 @@ sum): 1e-5 relative. bf16: the same roundings as torch, so results differ by at 
 float32 intermediate lands on the other side of a rounding boundary (2 ** -7 relative). Attention in bf16
 against the float32-accumulating reference: as in test_triton_kernels (P is rounded to bf16 before P @ V).
 """
+
 from __future__ import annotations
 
 import os
@@ -29,7 +30,7 @@ GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if GPU else "cpu")
 # (rows, width) per device: CPU interpreter shapes stay tiny
 ROWS, WIDTH = (300, 4096) if GPU else (5, 48)
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2 ** -7, atol=1e-2)}
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2**-7, atol=1e-2)}
 
 
 def randn(*shape, dtype, seed=0):
@@ -52,20 +53,20 @@ def test_rmsnorm(dtype, with_residual):
         r = randn(ROWS, WIDTH, dtype=dtype, seed=2)
         y, s = fl.fused_add_rmsnorm(x, r, w, eps)
         s_ref = x + r
-        exact = dict(rtol=2 ** -7, atol=0) if interp_bf16(dtype) else dict(rtol=0, atol=0)
+        exact = dict(rtol=2**-7, atol=0) if interp_bf16(dtype) else dict(rtol=0, atol=0)
         torch.testing.assert_close(s, s_ref, **exact)
         ref = fl.rmsnorm_reference(s_ref, w, eps)
     else:
         y = fl.rmsnorm(x, w, eps)
         ref = fl.rmsnorm_reference(x, w, eps)
-    tol = dict(rtol=2 ** -6, atol=2e-2) if interp_bf16(dtype) else TOL[dtype]
+    tol = dict(rtol=2**-6, atol=2e-2) if interp_bf16(dtype) else TOL[dtype]
     torch.testing.assert_close(y.float(), ref.float(), **tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul(dtype):
     x = randn(ROWS, 2 * WIDTH, dtype=dtype) * 2
-    tol = dict(rtol=2 ** -6, atol=2e-2) if interp_bf16(dtype) else TOL[dtype]
+    tol = dict(rtol=2**-6, atol=2e-2) if interp_bf16(dtype) else TOL[dtype]
     torch.testing.assert_close(fl.silu_and_mul(x).float(), fl.silu_and_mul_reference(x).float(), **tol)
 
 
@@ -78,16 +79,17 @@ def test_rope_on_qkv_views(dtype, heads, kv_heads, head_dim):
 
     T = 37
     qkv = randn(T, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
-    q = qkv[:, :heads * head_dim].view(T, heads, head_dim)
-    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(T, kv_heads, head_dim)
-    config = LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         rope_theta=500000.0)
+    q = qkv[:, : heads * head_dim].view(T, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(T, kv_heads, head_dim)
+    config = LlamaConfig(
+        hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=kv_heads, rope_theta=500000.0
+    )
     rotary = RotaryEmbedding(config, head_dim)
     positions = torch.randint(0, 5000, (T,), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     cos, sin = rotary.cos_sin(positions, dtype)
     qo, ko = fl.rope(q, k, cos, sin)
     assert qo.is_contiguous() and ko.is_contiguous()
-    tol = dict(rtol=2 ** -6, atol=2e-2) if dtype == torch.bfloat16 else TOL[dtype]
+    tol = dict(rtol=2**-6, atol=2e-2) if dtype == torch.bfloat16 else TOL[dtype]
     torch.testing.assert_close(qo.float(), fl.rope_reference(q, cos[:, 0], sin[:, 0]).float(), **tol)
     torch.testing.assert_close(ko.float(), fl.rope_reference(k, cos[:, 0], sin[:, 0]).float(), **tol)
     # and the torch path of the model (rounding after each op) agrees within bf16 rounding
@@ -96,7 +98,7 @@ def test_rope_on_qkv_views(dtype, heads, kv_heads, head_dim):
 
 def test_build_kv_indices():
     gen = torch.Generator().manual_seed(0)
-    r2t = torch.randint(1, 10 ** 6, (6, 700), generator=gen, dtype=torch.int32).to(DEVICE)
+    r2t = torch.randint(1, 10**6, (6, 700), generator=gen, dtype=torch.int32).to(DEVICE)
     rows = torch.tensor([4, 0, 5], device=DEVICE)
     lens = [600, 1, 513]
     indptr = torch.tensor([0, 600, 601, 1114], dtype=torch.int32, device=DEVICE)
@@ -108,6 +110,7 @@ def test_build_kv_indices():
 
 # ------------------------------------------------------------------------------------ FlashInfer (GPU)
 
+
 def _flashinfer_or_skip():
     if not GPU:
         pytest.skip("needs a CUDA device")
@@ -117,10 +120,13 @@ def _flashinfer_or_skip():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16])  # fp16 too, but each dtype is one more JIT build
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (9, 3, 64)])
-@pytest.mark.parametrize("mode,seq_lens,prefix_lens", [
-    (ForwardMode.EXTEND, [1000, 70, 2500, 9], [0, 64, 2000, 8]),   # plain prefill, cached prefixes, 1 new token
-    (ForwardMode.DECODE, [4096, 1, 777, 2049], [4095, 0, 776, 2048]),
-])
+@pytest.mark.parametrize(
+    "mode,seq_lens,prefix_lens",
+    [
+        (ForwardMode.EXTEND, [1000, 70, 2500, 9], [0, 64, 2000, 8]),  # plain prefill, cached prefixes, 1 new token
+        (ForwardMode.DECODE, [4096, 1, 777, 2049], [4095, 0, 776, 2048]),
+    ],
+)
 def test_gpu_flashinfer_matches_torch_native(dtype, heads, kv_heads, head_dim, mode, seq_lens, prefix_lens):
     _flashinfer_or_skip()
     from test_triton_kernels import ATOL, run_backend
@@ -134,10 +140,13 @@ def test_gpu_flashinfer_matches_torch_native(dtype, heads, kv_heads, head_dim, m
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["flashinfer", "triton"])
-@pytest.mark.parametrize("mode,seq_lens,prefix_lens", [
-    (ForwardMode.EXTEND, [1000, 70, 9], [0, 64, 8]),
-    (ForwardMode.DECODE, [2049, 1, 777], [2048, 0, 776]),
-])
+@pytest.mark.parametrize(
+    "mode,seq_lens,prefix_lens",
+    [
+        (ForwardMode.EXTEND, [1000, 70, 9], [0, 64, 8]),
+        (ForwardMode.DECODE, [2049, 1, 777], [2048, 0, 776]),
+    ],
+)
 def test_gpu_backends_address_a_large_token_major_pool(name, mode, seq_lens, prefix_lens):
     """Llama-3.1-8B's pool shape (32 layers, 8 KV heads × 128, bf16: 65,536 elements per slot) with the data
     beyond slot 40,000 of the last layer: element offsets pass 2**31, so 32-bit offset arithmetic would fail."""
@@ -149,7 +158,7 @@ def test_gpu_backends_address_a_large_token_major_pool(name, mode, seq_lens, pre
 
     args = (mode, seq_lens, prefix_lens, 32, 8, 128, torch.bfloat16)
     out, k_buf, v_buf = run_backend(name, *args, num_layers=32, slot_offset=40_000)
-    assert k_buf.stride(0) * 40_000 > 2 ** 31
+    assert k_buf.stride(0) * 40_000 > 2**31
     ref, k_ref, v_ref = run_backend("torch_native", *args)
     assert torch.equal(k_buf, k_ref) and torch.equal(v_buf, v_ref)
     torch.testing.assert_close(out.float(), ref.float(), atol=2 * ATOL[torch.bfloat16], rtol=0)
@@ -171,6 +180,7 @@ def test_gpu_flashinfer_rejects_float32():
 
 # ------------------------------------------------------------------------------------ sampling
 
+
 def test_fused_gumbel_argmax_matches_torch_path():
     """The fused kernel draws the same tokens as logits + gumbel_noise(...) -> argmax, for many seeds."""
     from engine.runner.sampler import _row_keys, gumbel_noise
@@ -179,7 +189,7 @@ def test_fused_gumbel_argmax_matches_torch_path():
     bs, vocab = (64, 128256) if GPU else (8, 3000)
     logits = randn(bs, vocab, dtype=torch.float32) * 3
     logits[5, 1000:] = float("-inf")  # a filtered row
-    seeds = torch.randint(0, 2 ** 62, (bs,), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    seeds = torch.randint(0, 2**62, (bs,), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     for step in range(4):
         steps = torch.full((bs,), step, dtype=torch.int64, device=DEVICE)
         ref = (logits + gumbel_noise(seeds, steps, vocab)).argmax(dim=-1)

@@ -1,5 +1,6 @@
 """Structured output (xgrammar): JSON schema, JSON object, regex, EBNF; typed errors; greedy and
 batch invariants; n > 1, streaming, stop strings, max_new_tokens, retraction; no KV leaks."""
+
 from __future__ import annotations
 
 import asyncio
@@ -52,10 +53,12 @@ def assert_ends_like_eos(engine, out) -> None:
 
 
 def test_json_schema_50_samples_validate(default_engine):
-    prompts = [f"<|im_start|>user\nDescribe person number {i} as JSON with name, age and tags.<|im_end|>\n"
-               "<|im_start|>assistant\n" for i in range(5)]
-    params = [dict(json_schema=PERSON_JSON, temperature=1.0, n=10, seed=1000 * i, max_new_tokens=160)
-              for i in range(5)]
+    prompts = [
+        f"<|im_start|>user\nDescribe person number {i} as JSON with name, age and tags.<|im_end|>\n"
+        "<|im_start|>assistant\n"
+        for i in range(5)
+    ]
+    params = [dict(json_schema=PERSON_JSON, temperature=1.0, n=10, seed=1000 * i, max_new_tokens=160) for i in range(5)]
     outs = default_engine.generate(prompts, params)
     assert len(outs) == 50
     for out in outs:
@@ -67,11 +70,17 @@ def test_json_schema_50_samples_validate(default_engine):
 
 
 def test_json_object(default_engine):
-    prompt = ("<|im_start|>user\nGive me a short JSON object describing a cat, with its name and age.<|im_end|>\n"
-              "<|im_start|>assistant\n")
-    outs = default_engine.generate([prompt, prompt], [
-        dict(json_schema='{"type": "object"}', temperature=0, max_new_tokens=150),
-        dict(json_schema='{"type": "object"}', temperature=0.7, n=5, seed=5, max_new_tokens=150)])
+    prompt = (
+        "<|im_start|>user\nGive me a short JSON object describing a cat, with its name and age.<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    outs = default_engine.generate(
+        [prompt, prompt],
+        [
+            dict(json_schema='{"type": "object"}', temperature=0, max_new_tokens=150),
+            dict(json_schema='{"type": "object"}', temperature=0.7, n=5, seed=5, max_new_tokens=150),
+        ],
+    )
     for out in outs:
         assert out.finish_reason == "stop", out
         assert isinstance(json.loads(out.text), dict)
@@ -79,28 +88,31 @@ def test_json_object(default_engine):
 
 @pytest.mark.parametrize("pattern", [PHONE, EMAIL])
 def test_regex_samples_fullmatch(default_engine, pattern):
-    outs = default_engine.generate(["My phone number and email are", "Contact:"],
-                                   [dict(regex=pattern, temperature=1.0, n=10, seed=s, max_new_tokens=40)
-                                    for s in (11, 22)])
+    outs = default_engine.generate(
+        ["My phone number and email are", "Contact:"],
+        [dict(regex=pattern, temperature=1.0, n=10, seed=s, max_new_tokens=40) for s in (11, 22)],
+    )
     for out in outs:
         assert_ends_like_eos(default_engine, out)
         assert re.fullmatch(pattern, out.text), out.text
 
 
 def test_ebnf_choice(default_engine):
-    outs = default_engine.generate(QUESTION, dict(ebnf=CHOICE_EBNF, temperature=1.0, n=8, seed=3,
-                                                  max_new_tokens=10))
+    outs = default_engine.generate(QUESTION, dict(ebnf=CHOICE_EBNF, temperature=1.0, n=8, seed=3, max_new_tokens=10))
     assert {o.text for o in outs} <= {"yes", "no", "maybe"}
     assert all(o.finish_reason == "stop" for o in outs)
 
 
-@pytest.mark.parametrize("bad, param", [
-    (dict(json_schema="{not json"), "json_schema"),
-    (dict(json_schema='{"type": "no-such-type"}'), "json_schema"),
-    (dict(regex="a(b"), "regex"),
-    (dict(ebnf='root ::= "a" |'), "ebnf"),
-    (dict(ebnf='start ::= "a"'), "ebnf"),  # no root rule
-])
+@pytest.mark.parametrize(
+    "bad, param",
+    [
+        (dict(json_schema="{not json"), "json_schema"),
+        (dict(json_schema='{"type": "no-such-type"}'), "json_schema"),
+        (dict(regex="a(b"), "regex"),
+        (dict(ebnf='root ::= "a" |'), "ebnf"),
+        (dict(ebnf='start ::= "a"'), "ebnf"),  # no root rule
+    ],
+)
 def test_invalid_constraints_are_typed_errors(default_engine, bad, param):
     with pytest.raises(InvalidRequestError) as err:
         default_engine.generate("Hi", bad)
@@ -120,8 +132,16 @@ def test_sampler_masks_to_allowed_tokens(default_engine):
     states = [GrammarState(compiled), None, GrammarState(compiled)]
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0), SamplingParams(temperature=1.0)]
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0)) * 5
-    info = SamplingBatchInfo.build(params, seeds=[1, 2, 3], steps=[0, 0, 0], output_ids=[[]] * 3,
-                                   prompt_ids=[[1]] * 3, vocab_size=vocab, device="cpu", grammars=states)
+    info = SamplingBatchInfo.build(
+        params,
+        seeds=[1, 2, 3],
+        steps=[0, 0, 0],
+        output_ids=[[]] * 3,
+        prompt_ids=[[1]] * 3,
+        vocab_size=vocab,
+        device="cpu",
+        grammars=states,
+    )
     # Unpack row 0's bitmask independently: bit v of word v // 32.
     words = info.vocab_mask.bitmask[0].to(torch.int64) & 0xFFFFFFFF
     allowed = ((words.repeat_interleave(32)[:vocab] >> (torch.arange(vocab) % 32)) & 1).bool()
@@ -139,7 +159,8 @@ def test_greedy_constrained_is_deterministic_and_leaves_others_unchanged(default
     greedy_json = dict(json_schema=PERSON_JSON, temperature=0, max_new_tokens=120)
     mixed = default_engine.generate(
         ["The capital of France is", QUESTION, "Once upon a time", "Describe a person as JSON:"],
-        [plain[0], dict(ebnf=CHOICE_EBNF, temperature=0), plain[1], greedy_json])
+        [plain[0], dict(ebnf=CHOICE_EBNF, temperature=0), plain[1], greedy_json],
+    )
     assert [mixed[0].token_ids, mixed[2].token_ids] == alone
     assert mixed[1].text in {"yes", "no", "maybe"}
     check_person(json.loads(mixed[3].text))

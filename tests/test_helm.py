@@ -15,6 +15,7 @@ helm comes from deploy/helm/install_helm.sh (npm, cached in .cache/helm/). When 
 installed these tests fail; RADIXSERVE_SKIP_HELM=1 skips the ones that need it. The CRD is
 shared/k8s/ray.io_rayservices.yaml beside the repository (RADIXSERVE_RAYSERVICE_CRD overrides).
 """
+
 from __future__ import annotations
 
 import base64
@@ -42,16 +43,21 @@ POOL_DEPLOYMENTS = {"unified": "Worker", "prefill": "Prefill", "decode": "Decode
 
 # ---------------------------------------------------------------------------------------- helpers
 
+
 @pytest.fixture(scope="session")
 def helm(tmp_path_factory) -> List[str]:
     """The helm command line (binary + isolated config/cache dirs); installs helm once."""
     if os.environ.get("RADIXSERVE_SKIP_HELM") == "1":
         pytest.skip("RADIXSERVE_SKIP_HELM=1")
-    proc = subprocess.run(["bash", str(REPO / "deploy" / "helm" / "install_helm.sh")],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        ["bash", str(REPO / "deploy" / "helm" / "install_helm.sh")], capture_output=True, text=True, timeout=600
+    )
     if proc.returncode != 0:
-        pytest.fail(f"could not install helm (deploy/helm/install_helm.sh):\n{proc.stderr}\n"
-                    "set RADIXSERVE_SKIP_HELM=1 to skip the chart tests", pytrace=False)
+        pytest.fail(
+            f"could not install helm (deploy/helm/install_helm.sh):\n{proc.stderr}\n"
+            "set RADIXSERVE_SKIP_HELM=1 to skip the chart tests",
+            pytrace=False,
+        )
     home = tmp_path_factory.mktemp("helm-home")
     env = {f"HELM_{k}_HOME": str(home / k.lower()) for k in ("CACHE", "CONFIG", "DATA")}
     return ["env", *(f"{k}={v}" for k, v in env.items()), proc.stdout.strip()]
@@ -77,8 +83,11 @@ def _strict(schema: Any) -> Any:
     them (objects with `properties` and neither additionalProperties nor preserve-unknown-fields)."""
     if isinstance(schema, dict):
         schema = {k: _strict(v) for k, v in schema.items()}
-        if ("properties" in schema and "additionalProperties" not in schema
-                and not schema.get("x-kubernetes-preserve-unknown-fields")):
+        if (
+            "properties" in schema
+            and "additionalProperties" not in schema
+            and not schema.get("x-kubernetes-preserve-unknown-fields")
+        ):
             schema["additionalProperties"] = False
     elif isinstance(schema, list):
         schema = [_strict(v) for v in schema]
@@ -87,8 +96,7 @@ def _strict(schema: Any) -> Any:
 
 @functools.lru_cache(maxsize=1)
 def rayservice_validator() -> jsonschema.Draft7Validator:
-    path = Path(os.environ.get("RADIXSERVE_RAYSERVICE_CRD",
-                               REPO.parent / "shared" / "k8s" / "ray.io_rayservices.yaml"))
+    path = Path(os.environ.get("RADIXSERVE_RAYSERVICE_CRD", REPO.parent / "shared" / "k8s" / "ray.io_rayservices.yaml"))
     if not path.is_file():
         pytest.fail(f"RayService CRD not found at {path} (set RADIXSERVE_RAYSERVICE_CRD)", pytrace=False)
     crd = yaml.safe_load(path.read_text())
@@ -123,9 +131,12 @@ def autoscaler_node_types(rayservice: Dict[str, Any]) -> Dict[str, Dict[str, Any
     group's min / max pods)."""
     from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
 
-    cr = {"apiVersion": "ray.io/v1", "kind": "RayCluster",
-          "metadata": {"name": rayservice["metadata"]["name"], "namespace": "llm"},
-          "spec": rayservice["spec"]["rayClusterConfig"]}
+    cr = {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayCluster",
+        "metadata": {"name": rayservice["metadata"]["name"], "namespace": "llm"},
+        "spec": rayservice["spec"]["rayClusterConfig"],
+    }
     return _derive_autoscaling_config_from_ray_cr(cr)["available_node_types"]
 
 
@@ -139,6 +150,7 @@ def labels_match(selector: Dict[str, str], labels: Dict[str, str]) -> bool:
 
 
 # ------------------------------------------------------------------------------- chart rendering
+
 
 @pytest.mark.parametrize("mode", ["default", *sorted(CI_VALUES)])
 def test_helm_lint(helm, mode):
@@ -167,8 +179,11 @@ def test_rendered_manifests_validate(helm, mode):
     assert set(pods) == {"head", *(["unified"] if mode == "unified" else ["prefill", "decode"])}
     # Every pod template is itself a valid core PodTemplateSpec.
     for name, template in pods.items():
-        kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": name},
-                                      "template": template}, K8S_VERSION, strict=True)
+        kubernetes_validate.validate(
+            {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": name}, "template": template},
+            K8S_VERSION,
+            strict=True,
+        )
     serve_svc = rs["spec"]["serveService"]
     head = pods["head"]["spec"]["containers"][0]
     assert {"name": "serve", "containerPort": 8000} in head["ports"]  # KubeRay's serve Service uses it
@@ -210,7 +225,11 @@ def test_pool_groups_follow_the_values(helm):
     (rs,) = by_kind(render_mode(helm, "disaggregated"))["RayService"]
     groups = {g["groupName"]: g for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
     # prefill: 4 replicas, 2 per pod, autoscaling 2..8 replicas -> 2 pods, 1..4 pods, 2 GPUs each
-    assert (groups["prefill"]["replicas"], groups["prefill"]["minReplicas"], groups["prefill"]["maxReplicas"]) == (2, 1, 4)
+    assert (groups["prefill"]["replicas"], groups["prefill"]["minReplicas"], groups["prefill"]["maxReplicas"]) == (
+        2,
+        1,
+        4,
+    )
     assert (groups["decode"]["replicas"], groups["decode"]["minReplicas"], groups["decode"]["maxReplicas"]) == (3, 1, 6)
     for pool, gpus in (("prefill", "2"), ("decode", "1")):
         spec = groups[pool]["template"]["spec"]
@@ -229,26 +248,42 @@ def test_pool_groups_follow_the_values(helm):
     assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == (3, 3, 8)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--set", "pools.unified.replicas=-1"], "/pools/unified/replicas': minimum: got -1, want 1"),
-    (["--set", "pools.decode.replicasPerPod=0"], "/pools/decode/replicasPerPod': minimum"),
-    (["--set", "policy=fastest"], "/policy': value must be one of 'cache_aware'"),
-    (["--set", "mode=hybrid"], "/mode': value must be one of 'unified', 'disaggregated'"),
-    (["--set", "kvTransfer.backend=rdma"], "/kvTransfer/backend': value must be one of 'nixl', 'nccl'"),
-    (["--set-json", "replica.numGpus=0.5"], "/replica/numGpus': got number, want integer"),
-    (["--set-json", "pools.unified.autoscaling.targetKvUsage=1.5"], "targetKvUsage': maximum: got 1.5, want 1"),
-    (["--set", "service.type=Ingress"], "/service/type': value must be one of"),
-    (["--set", "replicas=2"], "additional properties 'replicas' not allowed"),
-    (["--set", "pools.unified.autoscaling.enabled=true", "--set", "pools.unified.autoscaling.minReplicas=5"],
-     "pools.unified.autoscaling: minReplicas (5) must not exceed maxReplicas (4)"),
-    (["--set", "pools.unified.maxPods=1", "--set", "pools.unified.autoscaling.enabled=true",
-      "--set", "pools.unified.autoscaling.minReplicas=2"],
-     "pools.unified.maxPods (1) is below the 2 pods that autoscaling.minReplicas needs"),
-    (["--set", "serveArgs.workers=3"], "serveArgs.workers: the chart sets this ClusterArgs field; set pools.unified.replicas"),
-    (["--set", "serveArgs.api_key=k"], "set auth.apiKey (kept in a Secret)"),
-    (["--set", "auth.apiKey=same", "--set", "auth.adminKey=same"], "auth.adminKey must differ from auth.apiKey"),
-    (["--set", "auth.apiKey=k", "--set", "auth.existingSecret=s"], "auth.existingSecret is set"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--set", "pools.unified.replicas=-1"], "/pools/unified/replicas': minimum: got -1, want 1"),
+        (["--set", "pools.decode.replicasPerPod=0"], "/pools/decode/replicasPerPod': minimum"),
+        (["--set", "policy=fastest"], "/policy': value must be one of 'cache_aware'"),
+        (["--set", "mode=hybrid"], "/mode': value must be one of 'unified', 'disaggregated'"),
+        (["--set", "kvTransfer.backend=rdma"], "/kvTransfer/backend': value must be one of 'nixl', 'nccl'"),
+        (["--set-json", "replica.numGpus=0.5"], "/replica/numGpus': got number, want integer"),
+        (["--set-json", "pools.unified.autoscaling.targetKvUsage=1.5"], "targetKvUsage': maximum: got 1.5, want 1"),
+        (["--set", "service.type=Ingress"], "/service/type': value must be one of"),
+        (["--set", "replicas=2"], "additional properties 'replicas' not allowed"),
+        (
+            ["--set", "pools.unified.autoscaling.enabled=true", "--set", "pools.unified.autoscaling.minReplicas=5"],
+            "pools.unified.autoscaling: minReplicas (5) must not exceed maxReplicas (4)",
+        ),
+        (
+            [
+                "--set",
+                "pools.unified.maxPods=1",
+                "--set",
+                "pools.unified.autoscaling.enabled=true",
+                "--set",
+                "pools.unified.autoscaling.minReplicas=2",
+            ],
+            "pools.unified.maxPods (1) is below the 2 pods that autoscaling.minReplicas needs",
+        ),
+        (
+            ["--set", "serveArgs.workers=3"],
+            "serveArgs.workers: the chart sets this ClusterArgs field; set pools.unified.replicas",
+        ),
+        (["--set", "serveArgs.api_key=k"], "set auth.apiKey (kept in a Secret)"),
+        (["--set", "auth.apiKey=same", "--set", "auth.adminKey=same"], "auth.adminKey must differ from auth.apiKey"),
+        (["--set", "auth.apiKey=k", "--set", "auth.existingSecret=s"], "auth.existingSecret is set"),
+    ],
+)
 def test_invalid_values_fail_with_a_clear_message(helm, args, message):
     proc = run_helm(helm, "template", "rs", str(CHART), *args)
     assert proc.returncode != 0
@@ -287,6 +322,7 @@ def _pinned(requirement: str) -> str:
 
 
 # ------------------------------------------------------------- the Serve config starts the app
+
 
 def check_serve_config(rayservice: Dict[str, Any]) -> Dict[str, Any]:
     """Feeds a RayService's serveConfigV2 to Ray Serve the way `serve deploy` does: ServeDeploySchema,
@@ -385,8 +421,11 @@ def test_kuberay_manifest_is_valid_and_builds_the_app():
     (doc,) = [d for d in yaml.safe_load_all(KUBERAY_MANIFEST.read_text()) if d]
     validate_rayservice(doc)
     for name, template in pod_templates(doc).items():
-        kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": name},
-                                      "template": template}, K8S_VERSION, strict=True)
+        kubernetes_validate.validate(
+            {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": name}, "template": template},
+            K8S_VERSION,
+            strict=True,
+        )
     check_serve_config(doc)
     assert doc["spec"]["rayClusterConfig"]["rayVersion"] == _pinned("ray[serve]")
 
@@ -404,6 +443,7 @@ def test_crd_validation_catches_mistakes():
 
 
 # --------------------------------------------------------------- keys from the environment
+
 
 def test_cluster_args_read_keys_from_the_environment(monkeypatch):
     from pydantic import ValidationError
@@ -427,6 +467,7 @@ def test_cluster_args_read_keys_from_the_environment(monkeypatch):
 
 # ------------------------------------------------------- the rendered config, deployed for real
 
+
 @pytest.mark.slow
 def test_rendered_config_runs_on_ray_serve(helm, monkeypatch):
     """The chart's serveConfigV2, deployed the way KubeRay deploys it (the dashboard's
@@ -448,17 +489,32 @@ def test_rendered_config_runs_on_ray_serve(helm, monkeypatch):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    (rs,) = by_kind(render(helm, "--set", "replica.numGpus=0", "--set-json", "replica.numCpus=0.5",
-                           "--set", f"serve.port={port}", "--set", "serveArgs.max_total_tokens=4096",
-                           "--set", "serveArgs.max_running_requests=2"))["RayService"]
+    (rs,) = by_kind(
+        render(
+            helm,
+            "--set",
+            "replica.numGpus=0",
+            "--set-json",
+            "replica.numCpus=0.5",
+            "--set",
+            f"serve.port={port}",
+            "--set",
+            "serveArgs.max_total_tokens=4096",
+            "--set",
+            "serveArgs.max_running_requests=2",
+        )
+    )["RayService"]
     config = ServeDeploySchema.model_validate(yaml.safe_load(rs["spec"]["serveConfigV2"]))
     monkeypatch.setenv("RADIXSERVE_API_KEY", "k8s-user-key")  # as the pods get them from the Secret
     monkeypatch.setenv("RADIXSERVE_ADMIN_KEY", "k8s-admin-key")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     ray.init(num_cpus=2, resources={"radixserve_unified": 1}, include_dashboard=False, log_to_driver=False)
     try:
-        client = serve_start(http_options=config.http_options.model_dump(), proxy_location=config.proxy_location,
-                             grpc_options=config.grpc_options.model_dump())
+        client = serve_start(
+            http_options=config.http_options.model_dump(),
+            proxy_location=config.proxy_location,
+            grpc_options=config.grpc_options.model_dump(),
+        )
         client.deploy_apps(config)
         deadline = time.monotonic() + 300
         status = None
@@ -475,9 +531,17 @@ def test_rendered_config_runs_on_ray_serve(helm, monkeypatch):
         auth = {"Authorization": "Bearer k8s-user-key"}
         models = httpx.get(f"{url}/v1/models", headers=auth, timeout=30)
         assert models.status_code == 200 and models.json()["data"][0]["id"] == "SmolLM2-135M-Instruct"
-        reply = httpx.post(f"{url}/v1/chat/completions", headers=auth, timeout=120, json={
-            "model": "SmolLM2-135M-Instruct", "max_tokens": 8, "temperature": 0,
-            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        reply = httpx.post(
+            f"{url}/v1/chat/completions",
+            headers=auth,
+            timeout=120,
+            json={
+                "model": "SmolLM2-135M-Instruct",
+                "max_tokens": 8,
+                "temperature": 0,
+                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            },
+        )
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["message"]["content"].strip()
     finally:

@@ -3,6 +3,7 @@ that gives up before the decision arrives (client disconnect, timeout) must stil
 
 Stand-ins replace the Serve handles (they record calls; `route` answers when the test says so): the
 real router and workers are covered by tests/test_cluster.py."""
+
 import asyncio
 from dataclasses import dataclass
 
@@ -65,6 +66,7 @@ def _slow_router(worker_id: str):
     async def slow_route():
         await decided.wait()
         return Decision(worker_id)
+
     return Router(slow_route), decided
 
 
@@ -88,6 +90,7 @@ def test_decision_that_arrives_after_a_disconnect_is_finished(tokenizer):
         assert router.finish.calls == []
         # ... and the router decided anyway: it counts r1 in flight on w1 until told
         assert await _finished_after(router, decided) == [("w1",)]
+
     asyncio.run(run())
 
 
@@ -99,6 +102,7 @@ def test_routing_timeout_finishes_the_late_decision(monkeypatch, tokenizer):
         with pytest.raises(asyncio.TimeoutError):
             await _drain(_backend(router, tokenizer).generate_stream([1], SamplingParams(), "r2"))
         assert await _finished_after(router, decided) == [("w2",)]
+
     asyncio.run(run())
 
 
@@ -113,4 +117,5 @@ def test_no_workers_is_a_503_and_finishes_nothing(tokenizer):
         assert err.value.status == 503
         await asyncio.sleep(0)
         assert router.finish.calls == []
+
     asyncio.run(run())

@@ -1,6 +1,7 @@
 """Text made outside the engine: an engine with detokenize=False streams token ids only, and
 engine.text.OutputText turns them into exactly the text, stop point and token counts that an
 engine which detokenizes itself returns (the greedy-output invariant, docs/design.md)."""
+
 import asyncio
 import dataclasses
 
@@ -23,6 +24,7 @@ def token_engine():
 def _stream(engine, ids, params):
     async def run():
         return [out async for out in engine.generate_stream(ids, params)]
+
     return asyncio.run(run())
 
 
@@ -35,10 +37,14 @@ def _made_here(raw, tokenizer, ids, params, chunk: int):
     for index in range(params.n):  # coalesce runs of one choice's outputs into one, like a late reader
         mine = [o for o in raw if o.index == index]
         for k in range(0, len(mine), chunk):
-            group = mine[k:k + chunk]
-            merged.append(dataclasses.replace(
-                group[-1], new_token_ids=[t for o in group for t in o.new_token_ids],
-                logprobs=None if group[0].logprobs is None else [lp for o in group for lp in o.logprobs]))
+            group = mine[k : k + chunk]
+            merged.append(
+                dataclasses.replace(
+                    group[-1],
+                    new_token_ids=[t for o in group for t in o.new_token_ids],
+                    logprobs=None if group[0].logprobs is None else [lp for o in group for lp in o.logprobs],
+                )
+            )
     out, texts, token_ids = {}, {}, {}
     for o in merged:
         o = text.apply(o)
@@ -64,15 +70,18 @@ def test_token_only_engine_streams_ids_without_text(token_engine, default_engine
     assert_no_leak(token_engine)
 
 
-@pytest.mark.parametrize("sampling", [
-    dict(temperature=0, max_new_tokens=32, ignore_eos=True),
-    dict(temperature=0.9, seed=5, n=2, max_new_tokens=32, ignore_eos=True, logprobs=True, top_logprobs=2),
-])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        dict(temperature=0, max_new_tokens=32, ignore_eos=True),
+        dict(temperature=0.9, seed=5, n=2, max_new_tokens=32, ignore_eos=True, logprobs=True, top_logprobs=2),
+    ],
+)
 def test_output_text_equals_the_engine_with_and_without_stop_strings(token_engine, default_engine, sampling):
     ids = default_engine.tokenizer.encode(PROMPT)
     plain = default_engine.generate(ids, sampling)
     plain = plain if isinstance(plain, list) else [plain]
-    stop = plain[0].text[len(plain[0].text) // 3:][:4]  # a stop string inside choice 0's text
+    stop = plain[0].text[len(plain[0].text) // 3 :][:4]  # a stop string inside choice 0's text
     assert stop.strip()
     for extra in ({}, {"stop": [stop, "\n\n\n\n"]}):
         params = SamplingParams(**sampling, **extra)
@@ -96,9 +105,19 @@ def test_outputs_after_a_stop_are_dropped(default_engine):
     from engine.engine import StreamOutput
 
     def out(tokens, done=None):
-        return StreamOutput(rid="r", index=0, new_token_ids=tokens, text="", logprobs=None, finish_reason=done,
-                            matched_stop=None, prompt_tokens=len(ids), cached_tokens=0,
-                            completion_tokens=len(tokens))
+        return StreamOutput(
+            rid="r",
+            index=0,
+            new_token_ids=tokens,
+            text="",
+            logprobs=None,
+            finish_reason=done,
+            matched_stop=None,
+            prompt_tokens=len(ids),
+            cached_tokens=0,
+            completion_tokens=len(tokens),
+        )
+
     first = text.apply(out(words))  # one message: the stop completes at " world", the rest is cut
     assert (first.text, first.finish_reason, first.matched_stop) == (" hello", "stop", " world")
     assert first.new_token_ids == tok.encode(" hello world") and first.completion_tokens == len(first.new_token_ids)

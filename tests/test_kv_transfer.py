@@ -4,6 +4,7 @@ The test process runs the writer (prefill side); a spawned child runs the receiv
 side, a pool of a different size). Data is checked page by page on the receiver: dst pages
 hold the writer's src pages, every other page is untouched.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -14,8 +15,16 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.kv_transfer import (MAX_MESSAGE_BYTES, KVTransferError, KVTransferTimeout, PageRun, TransferStatus,
-                                 kv_pool_buffers, make_backend, page_runs)
+from cluster.kv_transfer import (
+    MAX_MESSAGE_BYTES,
+    KVTransferError,
+    KVTransferTimeout,
+    PageRun,
+    TransferStatus,
+    kv_pool_buffers,
+    make_backend,
+    page_runs,
+)
 from kv_transfer_harness import NUM_LAYERS, PAGE_SIZE, PeerProcess, fill, make_pool
 
 WRITER_PAGES, READER_PAGES = 64, 48
@@ -88,10 +97,14 @@ def test_page_runs_match_the_definition_on_single_runs_and_scattered_pages():
     """The one-run fast path (both sides consecutive) and the general path agree with the pairwise definition,
     including near misses of the fast path: equal spans but a gap and a repeat, or a descending side."""
     rng = np.random.default_rng(7)
-    cases = [(np.arange(5, 37), np.arange(100, 132)), (np.array([4]), np.array([9])),
-             (np.array([1, 2, 4, 4]), np.array([10, 11, 12, 13])),  # span 3 over 4 pages, not increasing
-             (np.array([1, 3, 2, 4]), np.array([10, 11, 12, 13])), (np.arange(8, 0, -1), np.arange(1, 9)),
-             (np.arange(1, 9), np.array([1, 2, 3, 4, 6, 7, 8, 5]))]
+    cases = [
+        (np.arange(5, 37), np.arange(100, 132)),
+        (np.array([4]), np.array([9])),
+        (np.array([1, 2, 4, 4]), np.array([10, 11, 12, 13])),  # span 3 over 4 pages, not increasing
+        (np.array([1, 3, 2, 4]), np.array([10, 11, 12, 13])),
+        (np.arange(8, 0, -1), np.arange(1, 9)),
+        (np.arange(1, 9), np.array([1, 2, 3, 4, 6, 7, 8, 5])),
+    ]
     for _ in range(50):
         n = int(rng.integers(1, 40))
         src = np.sort(rng.choice(np.arange(1, 200), n, replace=False)) if rng.random() < 0.5 else np.arange(1, n + 1)
@@ -136,8 +149,10 @@ def test_nixl_random_pages_arrive_with_notification(nixl_pair):
     t1, t2 = _tid(), _tid()
     # Two transfers in flight, expected in one order and written in the other.
     reader.start_call("expect_many", "prefill-0", [(dst[:20], t1), (dst[20:], t2)], 30.0)
-    handles = [writer.write("decode-0", src[20:], dst[20:], t2, message=b"second \x00\xff|"),
-               writer.write("decode-0", src[:20], dst[:20], t1)]
+    handles = [
+        writer.write("decode-0", src[20:], dst[20:], t2, message=b"second \x00\xff|"),
+        writer.write("decode-0", src[:20], dst[:20], t1),
+    ]
     assert handles[1].nbytes == 20 * writer.layout.page_bytes * writer.layout.num_buffers
     for handle in handles:
         asyncio.run(writer.wait(handle, 30.0))
@@ -195,8 +210,9 @@ def test_nixl_moves_one_region_per_page_run_of_a_token_major_pool(nixl_pair):
         assert writer.poll(handle) is TransferStatus.DONE
         # The pool is token-major: one buffer, so a run is one region across all layers' K and V.
         assert writer.layout.num_buffers == 1
-        assert writer.layout.page_bytes == PAGE_SIZE * pool.bytes_per_token(NUM_LAYERS, pool.num_kv_heads,
-                                                                            pool.head_dim, pool.dtype)
+        assert writer.layout.page_bytes == PAGE_SIZE * pool.bytes_per_token(
+            NUM_LAYERS, pool.num_kv_heads, pool.head_dim, pool.dtype
+        )
         assert writer.regions(handle) == len(page_runs(np.array(src), np.array(dst))) == 4
         writer.release(handle)
     finally:
@@ -226,18 +242,21 @@ def test_nixl_expect_never_written_times_out_and_releases(nixl_pair):
     writer.release(handle)  # idempotent
 
 
-@pytest.mark.parametrize("src, dst, match", [
-    ([1, 2], [3], "lengths must match"),
-    ([0, 2], [3, 4], r"outside \[1, 64\)"),
-    ([1, 64], [3, 4], r"outside \[1, 64\)"),
-    ([1, 2], [3, 48], r"outside \[1, 48\)"),  # the peer's pool is smaller
-    ([1, 2], [-1, 4], "outside"),
-    ([1, 2], [4, 4], "duplicate"),
-    ([1, 2, 3], [5, 9, 5], "duplicate"),  # not increasing: the sorting check
-    ([], [], "empty"),
-    ([[1, 2]], [[3, 4]], "1-D"),
-    ([1.5], [3], "integers"),
-])
+@pytest.mark.parametrize(
+    "src, dst, match",
+    [
+        ([1, 2], [3], "lengths must match"),
+        ([0, 2], [3, 4], r"outside \[1, 64\)"),
+        ([1, 64], [3, 4], r"outside \[1, 64\)"),
+        ([1, 2], [3, 48], r"outside \[1, 48\)"),  # the peer's pool is smaller
+        ([1, 2], [-1, 4], "outside"),
+        ([1, 2], [4, 4], "duplicate"),
+        ([1, 2, 3], [5, 9, 5], "duplicate"),  # not increasing: the sorting check
+        ([], [], "empty"),
+        ([[1, 2]], [[3, 4]], "1-D"),
+        ([1.5], [3], "integers"),
+    ],
+)
 def test_nixl_invalid_pages_raise(nixl_pair, src, dst, match):
     writer, _, _ = nixl_pair
     with pytest.raises(KVTransferError, match=match):
@@ -319,8 +338,10 @@ def test_nccl_random_pages_between_two_gpus():
         # Two transfers expected in one order and written in the other: NCCL matches by order,
         # the backend by transfer id.
         reader.start_call("expect_many", "prefill-nccl", [(dst[:20], "n1"), (dst[20:], "n2")], 60.0)
-        handles = [writer.write("decode-nccl", src[20:], dst[20:], "n2", message=b"\x00two"),
-                   writer.write("decode-nccl", src[:20], dst[:20], "n1")]
+        handles = [
+            writer.write("decode-nccl", src[20:], dst[20:], "n2", message=b"\x00two"),
+            writer.write("decode-nccl", src[:20], dst[:20], "n1"),
+        ]
         for handle in handles:
             writer.wait_sync(handle, 60.0)
         assert reader.finish_call() == [b"", b"\x00two"]

@@ -2,6 +2,7 @@
 computed in the same step as their next tokens. Greedy outputs must not change (docs/design.md), with and
 without overlap scheduling, with pages of 1 and 16 tokens and with prompts chunked over several steps;
 no page may leak."""
+
 import pytest
 
 from conftest import PROMPTS, assert_no_leak, make_engine
@@ -30,8 +31,9 @@ def _staggered(engine, every: int):
         while pending or core.scheduler.has_work:
             while pending and pending[0][0] * every <= steps:
                 i, prompt = pending.pop(0)
-                (req,) = core._make_group(AddRequest(f"r{i}", engine.tokenizer.encode(prompt),
-                                                     SamplingParams(**GREEDY), 0))
+                (req,) = core._make_group(
+                    AddRequest(f"r{i}", engine.tokenizer.encode(prompt), SamplingParams(**GREEDY), 0)
+                )
                 req.on_output = collect
                 core.scheduler.add_request(req)
             core.scheduler.step()
@@ -42,11 +44,14 @@ def _staggered(engine, every: int):
     return {PROMPTS[int(rid[1:])]: ids for rid, ids in outputs.items()}, mixed
 
 
-@pytest.mark.parametrize("options", [
-    dict(),
-    dict(disable_overlap_schedule=True),
-    dict(page_size=16, chunked_prefill_size=16),
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),
+        dict(disable_overlap_schedule=True),
+        dict(page_size=16, chunked_prefill_size=16),
+    ],
+)
 def test_mixed_steps_leave_greedy_outputs_unchanged(reference, options):
     engine = make_engine(enable_mixed_chunk=True, **options)
     try:

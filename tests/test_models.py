@@ -1,4 +1,5 @@
 """Model layer against Hugging Face transformers: tiny random configs of every family, and the default model."""
+
 from __future__ import annotations
 
 import json
@@ -6,8 +7,7 @@ import os
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config,
-                          Qwen3Config)
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
 from engine.errors import ModelNotFoundError, UnsupportedModelError
 from engine.models.loader import load_config, load_model
@@ -16,22 +16,47 @@ from engine.models.source import ModelSource
 from model_harness import GreedyHarness
 
 CPU = torch.device("cpu")
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=512)
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 
 # name -> (config, max_shard_size for save_pretrained)
 TINY_CONFIGS = {
-    "llama3": (lambda: LlamaConfig(**TINY, rope_theta=500000.0, rope_scaling={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64}), None),
-    "llama_tied_bias": (lambda: LlamaConfig(**TINY, tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
-                        None),
+    "llama3": (
+        lambda: LlamaConfig(
+            **TINY,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+        None,
+    ),
+    "llama_tied_bias": (
+        lambda: LlamaConfig(**TINY, tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
+        None,
+    ),
     "mistral_sharded": (lambda: MistralConfig(**TINY, head_dim=16), "40KB"),
-    "qwen2_yarn": (lambda: Qwen2Config(**TINY, tie_word_embeddings=False, rope_scaling={
-        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}), None),
+    "qwen2_yarn": (
+        lambda: Qwen2Config(
+            **TINY,
+            tie_word_embeddings=False,
+            rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+        ),
+        None,
+    ),
     "qwen3": (lambda: Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False), None),
 }
-
 
 
 def save_tiny_model(name: str, folder) -> torch.nn.Module:
@@ -76,17 +101,22 @@ def test_tiny_logits_match_hf(tiny_models, name, prefill_chunk):
         assert pre.shape == (len(prompt), config.vocab_size) and dec.shape == (8, config.vocab_size)
         with torch.no_grad():
             ref = hf(torch.tensor([prompt + out])).logits[0].float()  # teacher-forced on our tokens
-        torch.testing.assert_close(pre, ref[:len(prompt)], atol=1e-4, rtol=0)
-        torch.testing.assert_close(dec, ref[len(prompt):len(prompt) + 8], atol=1e-4, rtol=0)
-        assert out == ref[len(prompt) - 1:len(prompt) + 8].argmax(-1).tolist()
+        torch.testing.assert_close(pre, ref[: len(prompt)], atol=1e-4, rtol=0)
+        torch.testing.assert_close(dec, ref[len(prompt) : len(prompt) + 8], atol=1e-4, rtol=0)
+        assert out == ref[len(prompt) - 1 : len(prompt) + 8].argmax(-1).tolist()
 
 
 def test_sharded_and_tied_checkpoints_are_what_they_claim(tiny_models):
     folder = tiny_models["mistral_sharded"][1].folder
     with open(os.path.join(folder, "model.safetensors.index.json")) as f:
         assert len(set(json.load(f)["weight_map"].values())) > 1
-    model = load_model(tiny_models["llama_tied_bias"][1], load_config(tiny_models["llama_tied_bias"][1]),
-                       "safetensors", torch.float32, CPU)
+    model = load_model(
+        tiny_models["llama_tied_bias"][1],
+        load_config(tiny_models["llama_tied_bias"][1]),
+        "safetensors",
+        torch.float32,
+        CPU,
+    )
     assert not hasattr(model, "lm_head")
     hf = tiny_models["llama_tied_bias"][0]
     assert "lm_head.weight" in hf.state_dict()  # a tied lm_head in a state dict is skipped
@@ -108,8 +138,15 @@ def test_half_precision_load_and_run(tiny_models, dtype):
 
 
 def test_dummy_weights_real_shapes(tmp_path):
-    config = LlamaConfig(vocab_size=1000, hidden_size=96, intermediate_size=256, num_hidden_layers=3,
-                         num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=96,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     source = ModelSource(name="dummy", folder=str(tmp_path))  # empty folder: no file may be read
     model = load_model(source, config, "dummy", torch.float32, CPU, seed=3)
     hf_numel = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
@@ -141,8 +178,13 @@ def test_missing_paths(tmp_path):
     config = LlamaConfig(**TINY)
     config.save_pretrained(str(tmp_path))  # config but no weights
     with pytest.raises(ModelNotFoundError, match="safetensors"):
-        load_model(ModelSource(name="x", folder=str(tmp_path)), load_config(ModelSource("x", str(tmp_path))),
-                   "auto", torch.float32, CPU)
+        load_model(
+            ModelSource(name="x", folder=str(tmp_path)),
+            load_config(ModelSource("x", str(tmp_path))),
+            "auto",
+            torch.float32,
+            CPU,
+        )
 
 
 def test_incomplete_or_foreign_checkpoint_rejected(tiny_models):

@@ -6,6 +6,7 @@ reasons, streamed deltas, logprobs, seeded samples. After everything (aborts inc
 On the CPU the overlap path is the same code as on CUDA (launch N+1, then resolve and process N); it
 just does not run anything concurrently.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -19,8 +20,10 @@ from engine.core.messages import AddRequest
 from engine.outputs import FinishReason
 from engine.sampling_params import SamplingParams
 
-LONG = ("You are a careful assistant who answers in short sentences. " * 6
-        + "Question: name three rivers of Europe.\nAnswer:")
+LONG = (
+    "You are a careful assistant who answers in short sentences. " * 6
+    + "Question: name three rivers of Europe.\nAnswer:"
+)
 # Small chunks: most prompts are prefilled over several steps, some while others decode.
 OPTIONS = dict(chunked_prefill_size=16, page_size=4)
 
@@ -40,8 +43,11 @@ def both(engines, fn):
 
 def summary(out):
     """What a caller sees of one GenerateOutput (logprobs rounded: batch composition may move the last bits)."""
-    lps = None if out.logprobs is None else [
-        (lp.token_id, round(lp.logprob, 3), [t for t, _ in lp.top_logprobs]) for lp in out.logprobs]
+    lps = (
+        None
+        if out.logprobs is None
+        else [(lp.token_id, round(lp.logprob, 3), [t for t, _ in lp.top_logprobs]) for lp in out.logprobs]
+    )
     return (out.token_ids, out.text, out.finish_reason, out.matched_stop, out.completion_tokens, lps)
 
 
@@ -90,8 +96,10 @@ def test_mixed_batch_identical(engines):
 
 
 def test_n_and_seeded_sampling_identical(engines):
-    params = [dict(temperature=0.9, top_p=0.9, top_k=50, seed=1234, n=3, max_new_tokens=16),
-              dict(temperature=0.0, n=2, max_new_tokens=10)]
+    params = [
+        dict(temperature=0.9, top_p=0.9, top_k=50, seed=1234, n=3, max_new_tokens=16),
+        dict(temperature=0.0, n=2, max_new_tokens=10),
+    ]
     on, off = both(engines, lambda e: [summary(o) for o in e.generate([PROMPTS[3], PROMPTS[7]], params)])
     assert on == off
     assert len({tuple(o[0]) for o in on[:3]}) > 1, "the three seeded choices should differ"
@@ -103,11 +111,13 @@ def test_fallback_requests_identical(engines):
     """Grammar, penalties and prompt logprobs need the previous token on the CPU: their batches run the
     plain step, mixed in the same batch with requests that overlap."""
     prompts = [PROMPTS[4], PROMPTS[0], PROMPTS[3], LONG, PROMPTS[1]]
-    params = [dict(temperature=0.0, max_new_tokens=12, regex=r"[0-9]{2,3}\n"),
-              dict(temperature=0.0, max_new_tokens=12, frequency_penalty=0.8, presence_penalty=0.3),
-              dict(temperature=0.7, seed=3, max_new_tokens=12, repetition_penalty=1.3),
-              dict(temperature=0.0, max_new_tokens=4, prompt_logprobs=2),  # prefilled in several chunks
-              dict(temperature=0.0, max_new_tokens=12)]
+    params = [
+        dict(temperature=0.0, max_new_tokens=12, regex=r"[0-9]{2,3}\n"),
+        dict(temperature=0.0, max_new_tokens=12, frequency_penalty=0.8, presence_penalty=0.3),
+        dict(temperature=0.7, seed=3, max_new_tokens=12, repetition_penalty=1.3),
+        dict(temperature=0.0, max_new_tokens=4, prompt_logprobs=2),  # prefilled in several chunks
+        dict(temperature=0.0, max_new_tokens=12),
+    ]
 
     def run(engine):
         outs = engine.generate(prompts, params)
@@ -140,8 +150,9 @@ def test_streaming_deltas_identical(engines):
     params = [MIXED[0], MIXED[2], MIXED[6], dict(temperature=0.0, max_new_tokens=10)]
 
     async def run(engine):
-        return await asyncio.gather(*[_stream(engine, p, sp, f"s{i}")
-                                      for i, (p, sp) in enumerate(zip(prompts, params))])
+        return await asyncio.gather(
+            *[_stream(engine, p, sp, f"s{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
+        )
 
     on, off = both(engines, lambda e: asyncio.run(run(e)))
     assert on == off
@@ -158,7 +169,8 @@ def test_aborts_mid_stream_leak_nothing(engines):
         return await asyncio.gather(
             _stream(engine, PROMPTS[1], params, "cancelled", stop_after=3),
             _stream(engine, PROMPTS[3], params, "aborted", abort_after=2),
-            _stream(engine, LONG, params, "kept"))
+            _stream(engine, LONG, params, "kept"),
+        )
 
     full = engines[False].generate([PROMPTS[1], PROMPTS[3], LONG], params)
     for engine in engines.values():
@@ -167,7 +179,7 @@ def test_aborts_mid_stream_leak_nothing(engines):
         assert aborted[-1][2] == "abort", aborted
         for deltas, ref in ((cancelled, full[0]), (aborted, full[1])):
             streamed = [t for ids, _, _ in deltas for t in ids]
-            assert streamed == ref.token_ids[:len(streamed)]  # every streamed token is a right one
+            assert streamed == ref.token_ids[: len(streamed)]  # every streamed token is a right one
         assert [t for ids, _, _ in kept for t in ids] == full[2].token_ids
         assert_clean(engine)
 
@@ -177,8 +189,9 @@ def test_retraction_identical():
     greedy = dict(temperature=0.0, max_new_tokens=16)
     results = {}
     for overlap in (True, False):
-        with make_engine(max_total_tokens=192, page_size=16, new_token_ratio=0.0,
-                         disable_overlap_schedule=not overlap) as engine:
+        with make_engine(
+            max_total_tokens=192, page_size=16, new_token_ratio=0.0, disable_overlap_schedule=not overlap
+        ) as engine:
             results[overlap] = [summary(o) for o in engine.generate(PROMPTS, greedy)]
             assert engine.stats()["retractions"] > 0
             assert_clean(engine)
@@ -189,6 +202,7 @@ def test_next_batch_is_launched_before_the_previous_is_processed(engines):
     """The order of launches (L) and result processing (P), and where decode inputs come from: with
     overlap, decode batch k+1 is launched before batch k is processed, while its input token is only on
     the device (the request's kv_len already counts every token the host knows)."""
+
     def record(engine):
         events, runner, scheduler = [], engine.runner, engine.scheduler
         launch, process = runner.launch_batch, scheduler._process_tokens
@@ -201,8 +215,12 @@ def test_next_batch_is_launched_before_the_previous_is_processed(engines):
             events.append(("P", id(batch), None))
             return process(batch, result)
 
-        engine._call(lambda: (setattr(runner, "launch_batch", traced_launch),
-                              setattr(scheduler, "_process_tokens", traced_process)))
+        engine._call(
+            lambda: (
+                setattr(runner, "launch_batch", traced_launch),
+                setattr(scheduler, "_process_tokens", traced_process),
+            )
+        )
         try:
             out = engine.generate(PROMPTS[0], dict(temperature=0.0, max_new_tokens=6, ignore_eos=True))
             wait_idle(engine)  # the extra step's batch has been processed too
@@ -231,8 +249,9 @@ def test_abort_reaches_a_request_only_in_flight(engines, handoff):
 
     def scenario():
         params = SamplingParams(temperature=0.0, max_new_tokens=1 if handoff is None else 8)
-        (req,) = engine.local_core._make_group(AddRequest("solo", engine.tokenizer.encode(PROMPTS[0]), params, 0,
-                                                          handoff))
+        (req,) = engine.local_core._make_group(
+            AddRequest("solo", engine.tokenizer.encode(PROMPTS[0]), params, 0, handoff)
+        )
         req.on_output = outputs.append
         scheduler.add_request(req)
         assert scheduler.step()  # its prefill is launched, not processed
@@ -245,7 +264,8 @@ def test_abort_reaches_a_request_only_in_flight(engines, handoff):
     only_in_flight, output_ids = engine._call(scenario)
     assert only_in_flight
     assert output_ids == [] and [(o.new_token_ids, o.finish_reason, o.handoff) for o in outputs] == [
-        ([], FinishReason.ABORT, None)]
+        ([], FinishReason.ABORT, None)
+    ]
     assert engine.stats()["handoff_in_flight"] == 0
     assert_clean(engine)
 
@@ -265,9 +285,21 @@ def test_future_map_feeds_in_flight_tokens_on_the_device():
 
     a, b, c = req(), req(), req(frequency_penalty=0.5)
     futures = FutureMap(torch.tensor([70, 71, 72]), {a: 2, c: 0})
-    fb = ForwardBatch.build(ForwardMode.DECODE, [5, 6, 7], [2, 2, 2], torch.tensor([8, 9, 10]), [0, 1, 2],
-                            [3, 3, 3], [2, 2, 2], torch.device("cpu"))
+    fb = ForwardBatch.build(
+        ForwardMode.DECODE,
+        [5, 6, 7],
+        [2, 2, 2],
+        torch.tensor([8, 9, 10]),
+        [0, 1, 2],
+        [3, 3, 3],
+        [2, 2, 2],
+        torch.device("cpu"),
+    )
     futures.resolve_inputs(fb, [b, a, c])
     assert fb.input_ids.tolist() == [5, 72, 70]
     assert [needs_sync(r) for r in (a, c, req(repetition_penalty=1.1), req(prompt_logprobs=0))] == [
-        False, True, True, True]
+        False,
+        True,
+        True,
+        True,
+    ]

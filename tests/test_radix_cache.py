@@ -1,4 +1,5 @@
 """RadixCache: unit tests, plus a stateful property test against a page-level reference model."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ class FakeAllocator:
         ps = self.page_size
         assert len(slots) % ps == 0, "frees come in whole pages"
         for i in range(0, len(slots), ps):
-            page = slots[i:i + ps]
+            page = slots[i : i + ps]
             assert page == list(range(page[0], page[0] + ps)) and page[0] % ps == 0, page
         for s in slots:
             assert s in self.live, f"double free of slot {s}"
@@ -52,7 +53,7 @@ def make(page_size: int = 1, **kw) -> Tuple[RadixCache, FakeAllocator]:
 
 def put(cache: RadixCache, alloc: FakeAllocator, key: List[int]) -> torch.Tensor:
     """Insert `key` with fresh slots, freeing duplicates as a caller would; returns the slots."""
-    value = alloc.alloc(len(key))[:len(key)]
+    value = alloc.alloc(len(key))[: len(key)]
     n = cache.insert(key, value)
     alloc.free(value[:n])
     return value
@@ -221,8 +222,11 @@ def test_events_report_full_paths():
     assert cache.drain_events() == []
     cache.match_prefix([1, 2, 5, 6])  # [3, 4] is now the oldest leaf
     assert cache.evict(6) == 6
-    assert cache.drain_events() == [CacheEvent("evict", (1, 2, 3, 4), 2), CacheEvent("evict", (1, 2, 5, 6), 2),
-                                    CacheEvent("evict", (1, 2), 2)]
+    assert cache.drain_events() == [
+        CacheEvent("evict", (1, 2, 3, 4), 2),
+        CacheEvent("evict", (1, 2, 5, 6), 2),
+        CacheEvent("evict", (1, 2), 2),
+    ]
 
 
 def test_events_can_be_disabled():
@@ -302,6 +306,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
     its events must rebuild the model's page set, and every slot handed out is either in the
     tree, held by an in-flight request, or freed exactly once.
     """
+
     page_size = 1
 
     def __init__(self):
@@ -345,11 +350,11 @@ class RadixCacheMachine(RuleBasedStateMachine):
         """Insert key (value = slots[:len(key)]); free duplicates [owned_from, n) and the partial page."""
         ps = self.page_size
         self.clock += 1
-        n = self.cache.insert(key, torch.tensor(slots[:len(key)], dtype=torch.int64))
+        n = self.cache.insert(key, torch.tensor(slots[: len(key)], dtype=torch.int64))
         assert n == self._model_match(key)[0] and n >= owned_from
         aligned = len(key) - len(key) % ps
         for end in range(n + ps, aligned + 1, ps):
-            self.pages[tuple(key[:end])] = (tuple(slots[end - ps:end]), self.clock)
+            self.pages[tuple(key[:end])] = (tuple(slots[end - ps : end]), self.clock)
         self._touch(key, n)
         self._free_own(slots[owned_from:n] + slots[aligned:])
 
@@ -365,7 +370,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
             assert e.num_tokens > 0 and e.num_tokens % ps == 0 and length % ps == 0
             pages = {e.token_ids[:end] for end in range(length - e.num_tokens + ps, length + 1, ps)}
             if e.kind == "insert":
-                assert length == e.num_tokens or e.token_ids[:length - e.num_tokens] in self.replayed
+                assert length == e.num_tokens or e.token_ids[: length - e.num_tokens] in self.replayed
                 assert not pages & self.replayed
                 self.replayed |= pages
             else:
@@ -400,7 +405,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
         if cache_it:
             self._do_insert(req.key, req.slots, owned_from=req.prefix_len)
         else:  # aborted: the request frees what it owns
-            self._free_own(req.slots[req.prefix_len:])
+            self._free_own(req.slots[req.prefix_len :])
         self.cache.dec_lock_ref(req.node)
 
     @rule(num_tokens=st.integers(0, 40))
@@ -440,7 +445,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
 
     # -- invariants
     def _locked_pages(self) -> set:
-        return {p for r in self.requests for p in self._page_prefixes(r.key[:r.prefix_len])}
+        return {p for r in self.requests for p in self._page_prefixes(r.key[: r.prefix_len])}
 
     @invariant()
     def tree_matches_model(self):
@@ -455,11 +460,11 @@ class RadixCacheMachine(RuleBasedStateMachine):
                 assert ck == (child.key[0] if ps == 1 else tuple(child.key[:ps]))
                 assert 0 <= child.lock_ref <= node.lock_ref or node is cache.root
                 full = path + tuple(child.key)
-                locks = sum(1 for r in self.requests if r.prefix_len >= len(full) and tuple(r.key[:len(full)]) == full)
+                locks = sum(1 for r in self.requests if r.prefix_len >= len(full) and tuple(r.key[: len(full)]) == full)
                 assert child.lock_ref == locks
                 values = child.value.tolist()
                 for end in range(ps, len(child.key) + 1, ps):
-                    found[path + tuple(child.key[:end])] = (tuple(values[end - ps:end]), child.last_access_time)
+                    found[path + tuple(child.key[:end])] = (tuple(values[end - ps : end]), child.last_access_time)
                 stack.append((child, full))
         assert found == self.pages
 
@@ -470,12 +475,12 @@ class RadixCacheMachine(RuleBasedStateMachine):
         assert cache.protected_size() == ps * len(self._locked_pages())
         assert cache.evictable_size() + cache.protected_size() == cache.total_size()
         in_tree = [s for slots, _ in self.pages.values() for s in slots]
-        held = [s for r in self.requests for s in r.slots[r.prefix_len:]]
+        held = [s for r in self.requests for s in r.slots[r.prefix_len :]]
         assert len(set(in_tree + held)) == len(in_tree) + len(held)
         assert self.alloc.live == set(in_tree + held)  # no leak
         assert len(set(self.alloc.freed)) == len(self.alloc.freed)  # never freed twice
         for r in self.requests:
-            assert self._model_match(r.key[:r.prefix_len])[1] == r.slots[:r.prefix_len]
+            assert self._model_match(r.key[: r.prefix_len])[1] == r.slots[: r.prefix_len]
         assert (cache.stats.queried_tokens, cache.stats.matched_tokens) == (self.queried, self.matched)
 
     @invariant()
@@ -491,12 +496,12 @@ def _keys(page_size: int):
     else:
         page = st.sampled_from([[0] * page_size, [0] * (page_size - 1) + [1], [1] + [0] * (page_size - 1)])
     tail = st.lists(st.integers(0, 1), max_size=page_size - 1)
-    return st.builds(lambda pages, t: [tok for p in pages for tok in p] + t,
-                     st.lists(page, max_size=6), tail)
+    return st.builds(lambda pages, t: [tok for p in pages for tok in p] + t, st.lists(page, max_size=6), tail)
 
 
-_settings = settings(max_examples=100, stateful_step_count=50, deadline=None,
-                     suppress_health_check=[HealthCheck.too_slow])
+_settings = settings(
+    max_examples=100, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 class PageSize1Machine(RadixCacheMachine):

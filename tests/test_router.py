@@ -1,4 +1,5 @@
 """Router core (cluster/router): approximate tree, event replay, cluster state, policies."""
+
 from __future__ import annotations
 
 import random
@@ -7,13 +8,21 @@ from typing import Sequence, Set, Tuple
 
 import pytest
 
-from cluster.router import (ApproximateTree, ClusterState, NoWorkersError, Router, RouterConfig,
-                            available_policies, make_policy)
+from cluster.router import (
+    ApproximateTree,
+    ClusterState,
+    NoWorkersError,
+    Router,
+    RouterConfig,
+    available_policies,
+    make_policy,
+)
 
 
 @dataclass
 class Event:
     """Duck-typed stand-in for engine.memory.radix_cache.CacheEvent."""
+
     kind: str
     token_ids: Tuple[int, ...]
     num_tokens: int
@@ -30,7 +39,7 @@ class Clock:
 def prefix_set_match(cached: Set[Tuple[int, ...]], query: Sequence[int]) -> int:
     """Reference: `cached` is prefix-closed; the match is the longest prefix of query in it."""
     n = 0
-    while n < len(query) and tuple(query[:n + 1]) in cached:
+    while n < len(query) and tuple(query[: n + 1]) in cached:
         n += 1
     return n
 
@@ -69,8 +78,8 @@ def test_random_inserts_and_removals_agree_with_reference():
                 n = rng.randrange(1, len(seq) + 1)
                 cut = len(seq) - n
                 tree.remove_prefix(seq, n)
-                if seq[:cut + 1] in cached:  # page_size 1: the branch seq[:cut + 1] goes
-                    cached = {p for p in cached if p[:cut + 1] != seq[:cut + 1]}
+                if seq[: cut + 1] in cached:  # page_size 1: the branch seq[:cut + 1] goes
+                    cached = {p for p in cached if p[: cut + 1] != seq[: cut + 1]}
             assert tree.size() == len(cached)
             for _ in range(4):
                 q = [rng.randrange(3) for _ in range(rng.randrange(1, 9))]
@@ -179,8 +188,8 @@ def test_replaying_engine_events_mirrors_the_engine_cache(page_size):
     tree = ApproximateTree(page_size=page_size)
     bases = [[rng.randrange(4) for _ in range(12)] for _ in range(3)]
     for step in range(300):
-        key = rng.choice(bases)[:rng.randrange(13)] + [rng.randrange(4) for _ in range(rng.randrange(12))]
-        key = key[:len(key) - len(key) % page_size]
+        key = rng.choice(bases)[: rng.randrange(13)] + [rng.randrange(4) for _ in range(rng.randrange(12))]
+        key = key[: len(key) - len(key) % page_size]
         if rng.random() < 0.7:
             cache.insert(key, torch.arange(len(key), dtype=torch.int64))
         else:
@@ -192,7 +201,7 @@ def test_replaying_engine_events_mirrors_the_engine_cache(page_size):
         if page_size == 1:
             assert tree.size() == cache.total_size()
         for _ in range(3):
-            q = rng.choice(bases)[:rng.randrange(13)] + [rng.randrange(4) for _ in range(6)]
+            q = rng.choice(bases)[: rng.randrange(13)] + [rng.randrange(4) for _ in range(6)]
             engine_len = cache.match_prefix(q, record_stats=False).prefix_len
             assert tree.match(q) // page_size * page_size == engine_len
     cache.reset()
@@ -298,13 +307,16 @@ def test_cache_miss_least_loaded_or_smallest_tree():
         assert (decision.worker_id, decision.reason) == (expect, "cache_miss")
 
 
-@pytest.mark.parametrize("loads,imbalanced", [
-    ((40, 10, 20), False),   # rel holds (40 > 10.001), abs fails (diff 30 <= 32)
-    ((42, 10, 20), False),   # diff exactly 32: not > 32
-    ((33, 33, 33), False),   # neither holds
-    ((50, 10, 30), True),    # both: 40 > 32 and 50 > 10.001
-    ((33, 0, 5), True),      # min load 0: the relative test holds for any positive max
-])
+@pytest.mark.parametrize(
+    "loads,imbalanced",
+    [
+        ((40, 10, 20), False),  # rel holds (40 > 10.001), abs fails (diff 30 <= 32)
+        ((42, 10, 20), False),  # diff exactly 32: not > 32
+        ((33, 33, 33), False),  # neither holds
+        ((50, 10, 30), True),  # both: 40 > 32 and 50 > 10.001
+        ((33, 0, 5), True),  # min load 0: the relative test holds for any positive max
+    ],
+)
 def test_imbalance_thresholds(loads, imbalanced):
     state = cluster(balance_abs_threshold=32, balance_rel_threshold=1.0001)
     for worker, load in zip(state.worker_ids, loads):

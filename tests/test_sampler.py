@@ -1,4 +1,5 @@
 """Sampler: greedy, seeded reproducibility, distribution, filters, penalties, logprobs (CPU)."""
+
 from __future__ import annotations
 
 import math
@@ -15,9 +16,14 @@ V = 1003  # deliberately not a multiple of any SIMD width
 def build(params, seeds=None, steps=None, outputs=None, prompts=None, vocab=V):
     bs = len(params)
     return SamplingBatchInfo.build(
-        params, seeds if seeds is not None else list(range(bs)), steps if steps is not None else [0] * bs,
+        params,
+        seeds if seeds is not None else list(range(bs)),
+        steps if steps is not None else [0] * bs,
         outputs if outputs is not None else [[] for _ in range(bs)],
-        prompts if prompts is not None else [[] for _ in range(bs)], vocab, "cpu")
+        prompts if prompts is not None else [[] for _ in range(bs)],
+        vocab,
+        "cpu",
+    )
 
 
 def sample(logits, params, **kw):
@@ -42,8 +48,9 @@ def test_greedy_is_argmax_with_lowest_index_ties():
 def test_greedy_rows_in_mixed_batch_are_exact_argmax():
     torch.manual_seed(0)
     logits = torch.randn(8, V)
-    params = [SamplingParams(temperature=0.0) if i % 2 else SamplingParams(temperature=1.5, top_p=0.5)
-              for i in range(8)]
+    params = [
+        SamplingParams(temperature=0.0) if i % 2 else SamplingParams(temperature=1.5, top_p=0.5) for i in range(8)
+    ]
     out = sample(logits, params)
     assert torch.equal(out.next_token_ids[1::2], logits[1::2].argmax(-1))
 
@@ -53,7 +60,7 @@ def test_noise_depends_only_on_seed_step_token():
     seeds, steps = torch.tensor([5, 2**62 + 3, 0, 5]), torch.tensor([0, 7, 0, 1])
     batch = gumbel_noise(seeds, steps, V)
     for i in range(4):
-        assert torch.equal(batch[i], gumbel_noise(seeds[i:i + 1], steps[i:i + 1], V)[0])
+        assert torch.equal(batch[i], gumbel_noise(seeds[i : i + 1], steps[i : i + 1], V)[0])
     assert not torch.equal(batch[0], batch[3])  # same seed, next step
     u = uniform_noise(seeds, steps, V)
     assert 0.0 < u.min().item() and u.max().item() < 1.0
@@ -61,21 +68,29 @@ def test_noise_depends_only_on_seed_step_token():
 
 def test_seeded_request_is_independent_of_batch_companions_and_order():
     target = SamplingParams(temperature=0.9, top_p=0.95, top_k=200, min_p=0.01, seed=1234)
-    companions = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.3, top_k=5),
-                  SamplingParams(temperature=0.5, top_p=0.3), SamplingParams(temperature=1.0, min_p=0.2)]
+    companions = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.3, top_k=5),
+        SamplingParams(temperature=0.5, top_p=0.3),
+        SamplingParams(temperature=1.0, min_p=0.2),
+    ]
     alone, batched = [], {2: [], 5: []}
     for step in range(40):
         logits = fixed_logits(step)
         alone.append(sample(logits.unsqueeze(0), [target], seeds=[1234], steps=[step]).next_token_ids.item())
         for bs, pos in ((2, 1), (5, 3)):
-            others = companions[:bs - 1]
+            others = companions[: bs - 1]
             params = others[:pos] + [target] + others[pos:]
             seeds = [99 + j for j in range(bs)]
             seeds[pos] = 1234
             rows = torch.stack([fixed_logits(1000 + step * 7 + j) for j in range(bs)])
             rows[pos] = logits
-            out = sample(rows, params, seeds=seeds, steps=[step + 3 * j for j in range(bs)][:pos]
-                         + [step] + [step + 1] * (bs - pos - 1))
+            out = sample(
+                rows,
+                params,
+                seeds=seeds,
+                steps=[step + 3 * j for j in range(bs)][:pos] + [step] + [step + 1] * (bs - pos - 1),
+            )
             batched[bs].append(out.next_token_ids[pos].item())
     assert alone == batched[2] == batched[5]
     assert len(set(alone)) > 5  # actually random across steps
@@ -83,8 +98,10 @@ def test_seeded_request_is_independent_of_batch_companions_and_order():
 
 def test_different_seeds_give_different_tokens():
     logits = torch.zeros(1, V)  # uniform distribution over V tokens
-    runs = [[sample(logits, [SamplingParams(seed=s)], seeds=[s], steps=[t]).next_token_ids.item()
-             for t in range(20)] for s in (1, 2, 3)]
+    runs = [
+        [sample(logits, [SamplingParams(seed=s)], seeds=[s], steps=[t]).next_token_ids.item() for t in range(20)]
+        for s in (1, 2, 3)
+    ]
     assert runs[0] != runs[1] and runs[1] != runs[2] and runs[0] != runs[2]
 
 
@@ -123,8 +140,10 @@ def test_filters_never_pick_masked_tokens():
     n = 3000
     cases = {
         "top_k": (SamplingParams(top_k=5), set(order[:5].tolist())),
-        "top_p": (SamplingParams(top_p=0.6),
-                  set(order[:int((probs[order].cumsum(0) - probs[order] <= 0.6).sum())].tolist())),
+        "top_p": (
+            SamplingParams(top_p=0.6),
+            set(order[: int((probs[order].cumsum(0) - probs[order] <= 0.6).sum())].tolist()),
+        ),
         "min_p": (SamplingParams(min_p=0.3), set(torch.nonzero(probs >= 0.3 * probs.max()).flatten().tolist())),
     }
     for name, (params, allowed) in cases.items():
@@ -153,10 +172,12 @@ def test_penalties_match_python_reference():
     vocab = 12
     torch.manual_seed(2)
     logits = torch.randn(4, vocab) * 2
-    params = [SamplingParams(temperature=0.0, repetition_penalty=1.3),
-              SamplingParams(temperature=0.0, frequency_penalty=0.7, presence_penalty=0.4),
-              SamplingParams(temperature=0.0, repetition_penalty=0.8, frequency_penalty=-0.5, presence_penalty=1.5),
-              SamplingParams(temperature=0.0)]
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, frequency_penalty=0.7, presence_penalty=0.4),
+        SamplingParams(temperature=0.0, repetition_penalty=0.8, frequency_penalty=-0.5, presence_penalty=1.5),
+        SamplingParams(temperature=0.0),
+    ]
     prompts = [[1, 2, 2, 9], [3, 4], [0, 5, 11], [1, 2]]
     outputs = [[4, 4, 7], [3, 3, 3, 6], [5, 5, 10], [1]]
     info = build(params, outputs=outputs, prompts=prompts, vocab=vocab)
@@ -178,9 +199,11 @@ def test_no_penalty_tensors_when_unused():
 def test_logprobs_and_top_logprobs():
     torch.manual_seed(3)
     logits = torch.randn(3, V)
-    params = [SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3),
-              SamplingParams(temperature=0.8, top_k=20, logprobs=True, top_logprobs=5),
-              SamplingParams(temperature=1.2, top_p=0.9)]
+    params = [
+        SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3),
+        SamplingParams(temperature=0.8, top_k=20, logprobs=True, top_logprobs=5),
+        SamplingParams(temperature=1.2, top_p=0.9),
+    ]
     out = sample(logits, params)
     ref = torch.log_softmax(logits, -1)  # pre-temperature, pre-filter
     torch.testing.assert_close(out.logprobs, ref.gather(1, out.next_token_ids[:, None]).squeeze(1))

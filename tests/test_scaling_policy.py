@@ -1,5 +1,6 @@
 """Pool sizing logic without Ray: PoolController decisions, ScaleRequest validation, latency
 windows and the ingress's request clock. The cluster tests (test_admin*.py) run it for real."""
+
 from types import SimpleNamespace
 
 import pytest
@@ -10,8 +11,16 @@ from cluster.latency import BUCKETS_S, LatencyWindow, RequestClock
 from cluster.scaling_models import ScaleRequest
 from cluster.scaling_policy import PoolController, PoolSignals, PoolSpec, p90, scaling_config
 
-AUTO = {"min_replicas": 1, "max_replicas": 3, "target_waiting_per_replica": 2, "target_kv_usage": 0.8,
-        "ttft_target_ms": 500, "itl_target_ms": 50, "upscale_delay_s": 2, "downscale_delay_s": 5}
+AUTO = {
+    "min_replicas": 1,
+    "max_replicas": 3,
+    "target_waiting_per_replica": 2,
+    "target_kv_usage": 0.8,
+    "ttft_target_ms": 500,
+    "itl_target_ms": 50,
+    "upscale_delay_s": 2,
+    "downscale_delay_s": 5,
+}
 
 
 def _ctl(auto=AUTO, initial=1) -> PoolController:
@@ -81,9 +90,16 @@ def test_scale_request_validation():
     assert ScaleRequest(replicas=2).replicas == 2
     assert ScaleRequest(autoscaling=True).autoscaling
     assert ScaleRequest(min_replicas=1, max_replicas=3).max_replicas == 3
-    for bad in ({}, {"replicas": 0}, {"replicas": 65}, {"replicas": 2, "autoscaling": True},
-                {"replicas": 2, "max_replicas": 3}, {"min_replicas": 3, "max_replicas": 1},
-                {"autoscaling": False, "min_replicas": 1}, {"size": 2}):
+    for bad in (
+        {},
+        {"replicas": 0},
+        {"replicas": 65},
+        {"replicas": 2, "autoscaling": True},
+        {"replicas": 2, "max_replicas": 3},
+        {"min_replicas": 3, "max_replicas": 1},
+        {"autoscaling": False, "min_replicas": 1},
+        {"size": 2},
+    ):
         with pytest.raises(ValidationError):
             ScaleRequest(**bad)
 
@@ -96,7 +112,9 @@ def test_scaling_config_follows_cluster_args():
     assert scaling_config(ClusterArgs()).nonce != cfg.nonce  # a redeploy never follows old targets
     dis = scaling_config(ClusterArgs(mode="disaggregated", prefill_workers=1, decode_workers=2))
     assert [(p.name, p.deployment, p.initial_replicas, p.autoscaling) for p in dis.pools] == [
-        ("prefill", "Prefill", 1, None), ("decode", "Decode", 2, None)]
+        ("prefill", "Prefill", 1, None),
+        ("decode", "Decode", 2, None),
+    ]
 
 
 def test_latency_window_and_histogram():

@@ -5,6 +5,7 @@ Requests are generated from the pydantic request models; before sending, `_cheap
 cheap (few tokens, few choices, the served model name) without narrowing the schema itself, so
 the document stays OpenAI-compatible.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -37,8 +38,11 @@ def _cheap(body):
     sp = body.get("sampling_params")
     if isinstance(sp, dict):
         sp = dict(sp)
-        sp["max_new_tokens"] = min(sp["max_new_tokens"], MAX_TOKENS) if isinstance(sp.get("max_new_tokens"), int) \
-            and not isinstance(sp.get("max_new_tokens"), bool) else MAX_TOKENS
+        sp["max_new_tokens"] = (
+            min(sp["max_new_tokens"], MAX_TOKENS)
+            if isinstance(sp.get("max_new_tokens"), int) and not isinstance(sp.get("max_new_tokens"), bool)
+            else MAX_TOKENS
+        )
         if isinstance(sp.get("n"), int) and not isinstance(sp.get("n"), bool):
             sp["n"] = min(sp["n"], MAX_N)
         body["sampling_params"] = sp
@@ -62,11 +66,21 @@ def test_openapi_fuzz_no_server_errors(default_engine):
         schema = schemathesis.openapi.from_dict(document)
         operations = [r.ok() for r in schema.get_all_operations()]
         assert len(operations) >= 9
-        cases = [(op, mode) for op in operations
-                 for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE)]
+        cases = [
+            (op, mode)
+            for op in operations
+            for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE)
+        ]
         for op, mode in cases:
-            @settings(max_examples=15, deadline=None, database=None, derandomize=True,
-                      phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+
+            @settings(
+                max_examples=15,
+                deadline=None,
+                database=None,
+                derandomize=True,
+                phases=[Phase.explicit, Phase.generate],
+                suppress_health_check=list(HealthCheck),
+            )
             @given(case=op.as_strategy(generation_mode=mode))
             def check(case):
                 case.body = _cheap(case.body)
@@ -82,4 +96,3 @@ def test_openapi_fuzz_no_server_errors(default_engine):
     stats = wait_idle(default_engine)
     assert stats["running"] == 0
     assert_no_leak(default_engine)
-

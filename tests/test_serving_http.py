@@ -1,5 +1,6 @@
 """The server over raw HTTP (httpx): error statuses and bodies, SSE framing, auth, body limit,
 queue full, /generate, tokenize, health, metrics, and client disconnects freeing KV pages."""
+
 from __future__ import annotations
 
 import json
@@ -55,35 +56,43 @@ def chat(**kw):
     return {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, **kw}
 
 
-@pytest.mark.parametrize("body,param", [
-    (cmpl(model="gpt-4"), "model"),
-    (cmpl(temperature=-1), "temperature"),
-    (cmpl(temperature=3), "temperature"),
-    (cmpl(top_p=0), "top_p"),
-    (cmpl(n=0), "n"),
-    (cmpl(max_tokens=-1), "max_tokens"),
-    (cmpl(logprobs=21), "logprobs"),
-    (cmpl(presence_penalty=5), "presence_penalty"),
-    (cmpl(top_k=0), "top_k"),
-    (cmpl(prompt=[]), "prompt"),
-    (cmpl(prompt=""), "prompt"),
-    (cmpl(prompt=[10**9]), "prompt"),
-    (cmpl(prompt=[-1]), "prompt"),
-    (cmpl(stop=[""]), "stop"),
-    (cmpl(max_tokens=100000), "max_tokens"),
-    (cmpl(prompt=None), "prompt"),
-    (cmpl(regex="a", ebnf='root ::= "a"'), "json_schema"),
-    (chat(messages=[]), "messages"),
-    (chat(messages=[{"role": "wizard", "content": "x"}]), None),
-    (chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), "messages"),
-    (chat(tool_choice="required"), "tool_choice"),
-    (chat(tools=[{"type": "function", "function": {"name": "f"}}],
-          tool_choice={"type": "function", "function": {"name": "g"}}), "tool_choice"),
-    (chat(top_logprobs=2), "top_logprobs"),
-    (chat(max_completion_tokens=10**6), "max_tokens"),
-    (chat(response_format={"type": "json_schema"}), "response_format"),
-    (chat(response_format={"type": "xml"}), None),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        (cmpl(model="gpt-4"), "model"),
+        (cmpl(temperature=-1), "temperature"),
+        (cmpl(temperature=3), "temperature"),
+        (cmpl(top_p=0), "top_p"),
+        (cmpl(n=0), "n"),
+        (cmpl(max_tokens=-1), "max_tokens"),
+        (cmpl(logprobs=21), "logprobs"),
+        (cmpl(presence_penalty=5), "presence_penalty"),
+        (cmpl(top_k=0), "top_k"),
+        (cmpl(prompt=[]), "prompt"),
+        (cmpl(prompt=""), "prompt"),
+        (cmpl(prompt=[10**9]), "prompt"),
+        (cmpl(prompt=[-1]), "prompt"),
+        (cmpl(stop=[""]), "stop"),
+        (cmpl(max_tokens=100000), "max_tokens"),
+        (cmpl(prompt=None), "prompt"),
+        (cmpl(regex="a", ebnf='root ::= "a"'), "json_schema"),
+        (chat(messages=[]), "messages"),
+        (chat(messages=[{"role": "wizard", "content": "x"}]), None),
+        (chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), "messages"),
+        (chat(tool_choice="required"), "tool_choice"),
+        (
+            chat(
+                tools=[{"type": "function", "function": {"name": "f"}}],
+                tool_choice={"type": "function", "function": {"name": "g"}},
+            ),
+            "tool_choice",
+        ),
+        (chat(top_logprobs=2), "top_logprobs"),
+        (chat(max_completion_tokens=10**6), "max_tokens"),
+        (chat(response_format={"type": "json_schema"}), "response_format"),
+        (chat(response_format={"type": "xml"}), None),
+    ],
+)
 def test_invalid_requests_are_400(http, body, param):
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     err = assert_error(http.post(path, json=body), 400, param)
@@ -99,8 +108,7 @@ def test_context_overflow_message(http, default_engine):
 
 
 def test_malformed_bodies_are_400(http):
-    assert_error(http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}),
-                 400)
+    assert_error(http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}), 400)
     assert_error(http.post("/v1/completions", json=[1, 2]), 400)
     assert_error(http.post("/v1/chat/completions", json={"model": MODEL}), 400, "messages")
     assert_error(http.post("/generate", json={"text": "x", "sampling_params": {"bogus": 1}}), 400, "bogus")
@@ -149,7 +157,7 @@ def _sse_lines(response: httpx.Response) -> list:
     events = [line for line in lines if line]
     assert all(e.startswith("data: ") for e in events), events
     assert events[-1] == "data: [DONE]"
-    return [json.loads(e[len("data: "):]) for e in events[:-1]]
+    return [json.loads(e[len("data: ") :]) for e in events[:-1]]
 
 
 def test_sse_framing(http):
@@ -164,8 +172,9 @@ def test_sse_framing(http):
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] > 0
     assert all(c["usage"] is None for c in chunks[:-1])
-    with http.stream("POST", "/generate", json={"text": "Hello", "stream": True,
-                                                  "sampling_params": {"max_new_tokens": 4}}) as r:
+    with http.stream(
+        "POST", "/generate", json={"text": "Hello", "stream": True, "sampling_params": {"max_new_tokens": 4}}
+    ) as r:
         chunks = _sse_lines(r)
     assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
     assert len(chunks[-1]["output_ids"]) == 4
@@ -179,8 +188,15 @@ def test_generate_native(http, default_engine):
     assert out["text"] == ref.text and out["output_ids"] == ref.token_ids
     assert out["meta_info"]["completion_tokens"] == 6
     ids = default_engine.tokenizer.encode("Hello")
-    batch = http.post("/generate", json={"input_ids": [ids, ids], "return_logprob": True, "top_logprobs_num": 2,
-                                         "sampling_params": {"temperature": 0, "max_new_tokens": 6}}).json()
+    batch = http.post(
+        "/generate",
+        json={
+            "input_ids": [ids, ids],
+            "return_logprob": True,
+            "top_logprobs_num": 2,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 6},
+        },
+    ).json()
     assert [b["text"] for b in batch] == [ref.text, ref.text]
     assert len(batch[0]["meta_info"]["output_token_logprobs"]) == 6
 
@@ -197,11 +213,18 @@ def test_tokenize_detokenize_health_metrics(http, default_engine):
     assert http.get("/health").status_code == 200
     http.post("/v1/completions", json=cmpl())
     text = http.get("/metrics").text
-    for name in ("radixserve_requests_total", "radixserve_prompt_tokens_total", "radixserve_generation_tokens_total",
-                 "radixserve_time_to_first_token_seconds_bucket", "radixserve_inter_token_latency_seconds_bucket",
-                 "radixserve_e2e_request_latency_seconds_bucket", "radixserve_num_requests_running",
-                 "radixserve_num_requests_waiting", "radixserve_kv_cache_usage_ratio",
-                 "radixserve_prefix_cache_hit_rate"):
+    for name in (
+        "radixserve_requests_total",
+        "radixserve_prompt_tokens_total",
+        "radixserve_generation_tokens_total",
+        "radixserve_time_to_first_token_seconds_bucket",
+        "radixserve_inter_token_latency_seconds_bucket",
+        "radixserve_e2e_request_latency_seconds_bucket",
+        "radixserve_num_requests_running",
+        "radixserve_num_requests_waiting",
+        "radixserve_kv_cache_usage_ratio",
+        "radixserve_prefix_cache_hit_rate",
+    ):
         assert name in text, name
     assert 'route="/v1/completions",status="200"' in text and 'status="400"' in text
 
@@ -213,9 +236,14 @@ def _long(**kw):
 LONG_GENERATE = {"text": "Hi", "stream": True, "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
 
 
-@pytest.mark.parametrize("path,body", [("/v1/completions", cmpl(**_long(stream=True, n=2))),
-                                       ("/v1/chat/completions", chat(**_long(stream=True))),
-                                       ("/generate", LONG_GENERATE)])
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/completions", cmpl(**_long(stream=True, n=2))),
+        ("/v1/chat/completions", chat(**_long(stream=True))),
+        ("/generate", LONG_GENERATE),
+    ],
+)
 def test_stream_disconnect_frees_pages(base_url, default_engine, path, body):
     with httpx.Client(base_url=base_url, timeout=60) as c:
         with c.stream("POST", path, json=body) as r:

@@ -1,6 +1,7 @@
 """`python -m serving` as a user starts it: the HTTP process plus its engine core process (the server's
 default). A streamed completion gives the engine's greedy text, one chunk per step that produced a token,
 KV usage is back to 0 afterwards, and Ctrl-C stops both processes."""
+
 import json
 import os
 import signal
@@ -32,8 +33,20 @@ def _children(pid: int) -> list:
 @pytest.fixture(scope="module")
 def server():
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "serving", "--port", str(port), "--max-total-tokens", "8192",
-                             "--served-model-name", "m"], cwd=ROOT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "serving",
+            "--port",
+            str(port),
+            "--max-total-tokens",
+            "8192",
+            "--served-model-name",
+            "m",
+        ],
+        cwd=ROOT,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
     while True:
@@ -69,7 +82,7 @@ def test_streamed_completion_equals_the_engine(server, default_engine):
 
 def test_bad_request_is_a_400(server):
     _, url = server
-    r = httpx.post(f"{url}/v1/completions", json=dict(model="m", prompt=[10 ** 9], max_tokens=2), timeout=30)
+    r = httpx.post(f"{url}/v1/completions", json=dict(model="m", prompt=[10**9], max_tokens=2), timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
 
 
@@ -80,7 +93,6 @@ def test_ctrl_c_stops_the_server_and_its_core(server):
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=60)
     deadline = time.time() + 30
-    while any(os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z"
-              for pid in core):
+    while any(os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z" for pid in core):
         assert time.time() < deadline, f"engine core {core} outlived its server"
         time.sleep(0.5)

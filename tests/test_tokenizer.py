@@ -1,4 +1,5 @@
 """engine.tokenizer: loading, chat template, incremental detokenization, stop strings (CPU, no network)."""
+
 import json
 import os
 import random
@@ -37,8 +38,9 @@ def metaspace_tok(tmp_path_factory):
     raw.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
     raw.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
     folder = tmp_path_factory.mktemp("metaspace")
-    PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="</s>", bos_token="<s>", unk_token="<unk>"
-                            ).save_pretrained(folder)
+    PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="</s>", bos_token="<s>", unk_token="<unk>").save_pretrained(
+        folder
+    )
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 5]}))
     return load_tokenizer(ModelSource(name="metaspace", folder=str(folder)))
 
@@ -48,13 +50,14 @@ def stream(detok, ids, chunk_sizes=(1,)):
     deltas, i, k = [], 0, 0
     while i < len(ids):
         n = chunk_sizes[k % len(chunk_sizes)]
-        deltas.append(detok.step(ids[i:i + n]))
+        deltas.append(detok.step(ids[i : i + n]))
         i, k = i + n, k + 1
     deltas.append(detok.flush())
     return deltas
 
 
 # ---- loading, encode/decode, chat template -------------------------------------------------------
+
 
 def test_load_is_cached_and_declares_eos(tok):
     assert load_tokenizer(resolve_model(None)) is tok
@@ -83,11 +86,13 @@ def test_encode_rejects_non_string(tok):
 def test_chat_template_chatml(tok):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
     text = tok.chat_prompt_text(messages)
-    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n"
-                    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    )
     ids = tok.apply_chat_template(messages)
-    assert ids == list(tok.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=True)["input_ids"])
+    assert ids == list(
+        tok.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    )
     assert ids[0] == 1 and ids.count(2) == 2 and tok.decode(ids, skip_special_tokens=False) == text
     no_gen = tok.chat_prompt_text(messages, add_generation_prompt=False)
     assert no_gen.endswith("<|im_end|>\n") and not no_gen.endswith("assistant\n")
@@ -95,14 +100,22 @@ def test_chat_template_chatml(tok):
 
 def test_chat_template_default_system_prompt(tok):
     text = tok.chat_prompt_text([{"role": "user", "content": "Hi"}])
-    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>user\nHi<|im_end|>\n"
-                                                                      "<|im_start|>assistant\n")
+    assert text.startswith("<|im_start|>system\n") and text.endswith(
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
-@pytest.mark.parametrize("messages", [
-    [], "hello", [{"content": "no role"}], ["not a dict"], [{"role": "user", "content": 3}],
-    [{"role": "user", "content": [{"type": "text", "text": "parts"}]}],  # this template concatenates strings
-])
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [],
+        "hello",
+        [{"content": "no role"}],
+        ["not a dict"],
+        [{"role": "user", "content": 3}],
+        [{"role": "user", "content": [{"type": "text", "text": "parts"}]}],  # this template concatenates strings
+    ],
+)
 def test_chat_template_malformed_messages(tok, messages):
     with pytest.raises(InvalidRequestError) as err:
         tok.apply_chat_template(messages)
@@ -115,6 +128,7 @@ def test_chat_template_missing(metaspace_tok):
 
 
 # ---- incremental detokenization ------------------------------------------------------------------
+
 
 def _split_char_tokens(tok):
     """Token ids where some token decodes alone to U+FFFD (a character split across tokens)."""
@@ -191,6 +205,7 @@ def test_random_chunking_is_invariant(tok):
 
 # ---- stop strings ------------------------------------------------------------------------------
 
+
 def run_stop(stops, chunks):
     m = StopStringMatcher(stops)
     out, result = [], None
@@ -221,7 +236,7 @@ def test_earliest_stop_wins_whatever_the_chunking():
     text = "say abcd then xyz"
     for stops in (["xyz", "bc", "abcd"], ["abcd", "bc"]):
         for n in (1, 2, 3, len(text)):
-            chunks = [text[i:i + n] for i in range(0, len(text), n)]
+            chunks = [text[i : i + n] for i in range(0, len(text), n)]
             assert run_stop(stops, chunks) == ("say a", True, "bc")
     assert run_stop(["b", "abc"], ["xabc"])[2] == "b"
     assert run_stop(["abc", "bc"], ["xabc"]) == ("x", True, "abc")  # same end: the one starting first

@@ -11,6 +11,7 @@ Tolerances, against references computed in float32 from the same (rounded) input
                 is rounded to fp16 (|out| < ~3 since it is a convex mix of N(0, 1) values: <= 2e-3).
   bf16  3e-2  — same with bf16's 7-bit mantissa: P rounding ~4e-3 relative, output rounding <= 1.6e-2.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,11 @@ from engine.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from engine.memory.kv_pool import KVPool  # noqa: E402
 from kernels.attention.base import get_backend_class  # noqa: E402
 from kernels.triton import fix_interpreter_scalar_index  # noqa: E402
-from kernels.triton.decode_attention import (decode_attention, decode_attention_reference,  # noqa: E402
-                                             pick_num_kv_splits)
+from kernels.triton.decode_attention import (
+    decode_attention,
+    decode_attention_reference,  # noqa: E402
+    pick_num_kv_splits,
+)
 from kernels.triton.extend_attention import extend_attention, extend_attention_reference  # noqa: E402
 from kernels.triton.store_kv import store_kv, store_kv_reference  # noqa: E402
 
@@ -50,7 +54,7 @@ class Paged:
         self.rows = torch.randperm(bs + 2, generator=gen)[:bs]
         self.req_to_token = (1 + torch.randint(0, num_pages * page - 1, (bs + 2, max_len + 7), generator=gen)).int()
         for i, row in enumerate(self.rows.tolist()):
-            pages = order[i * pages_per_req:(i + 1) * pages_per_req]
+            pages = order[i * pages_per_req : (i + 1) * pages_per_req]
             self.req_to_token[row, :max_len] = (pages[:, None] * page + torch.arange(page)).flatten()[:max_len].int()
         shape = (num_pages * page, num_kv_heads, head_dim)
         self.k_buf = torch.randn(shape, generator=gen).to(dtype)
@@ -66,6 +70,7 @@ class Paged:
 
 # ---------------------------------------------------------------------------------------------- store_kv
 
+
 @pytest.mark.parametrize("buf_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("hkv,d", [(2, 64), (1, 128), (3, 16)])
 def test_store_kv_matches_reference(buf_dtype, hkv, d):
@@ -73,19 +78,20 @@ def test_store_kv_matches_reference(buf_dtype, hkv, d):
     loc = torch.cat([p.req_to_token[p.rows[0], 3:9], p.req_to_token[p.rows[1], 0:5]]).long()
     # k, v as views of a fused qkv projection: last dim contiguous, rows strided; float32 in, cast on store
     kv = p.randn(11, 2 * hkv + 1, d, dtype=torch.float32)
-    k, v = kv[:, :hkv], kv[:, hkv:2 * hkv]
+    k, v = kv[:, :hkv], kv[:, hkv : 2 * hkv]
     k_ref, v_ref = p.k_buf.clone(), p.v_buf.clone()
     store_kv(p.k_buf, p.v_buf, loc, k, v)
     store_kv_reference(k_ref, v_ref, loc, k, v)
     if DEVICE.type == "cpu" and buf_dtype == torch.bfloat16:
         # the interpreter's float32 -> bf16 cast truncates where torch rounds to nearest: 1 bf16 ulp apart
-        torch.testing.assert_close(p.k_buf, k_ref, rtol=2 ** -7, atol=0)
-        torch.testing.assert_close(p.v_buf, v_ref, rtol=2 ** -7, atol=0)
+        torch.testing.assert_close(p.k_buf, k_ref, rtol=2**-7, atol=0)
+        torch.testing.assert_close(p.v_buf, v_ref, rtol=2**-7, atol=0)
     else:
         assert torch.equal(p.k_buf, k_ref) and torch.equal(p.v_buf, v_ref)
 
 
 # ---------------------------------------------------------------------------------------------- decode
+
 
 def check_decode(seq_lens, num_heads, num_kv_heads, head_dim, dtype, num_splits=None):
     p = Paged(seq_lens, num_kv_heads, head_dim, dtype)
@@ -93,8 +99,8 @@ def check_decode(seq_lens, num_heads, num_kv_heads, head_dim, dtype, num_splits=
     q = p.randn(bs, num_heads, head_dim, dtype=dtype)
     splits = num_splits or pick_num_kv_splits(bs, num_kv_heads, max(seq_lens), DEVICE)
     out = torch.full_like(q, float("nan"))
-    decode_attention(q, p.k_buf, p.v_buf, out, p.req_to_token, p.rows, p.seq_lens, head_dim ** -0.5, splits)
-    ref = decode_attention_reference(q, p.k_buf, p.v_buf, p.req_to_token, p.rows, p.seq_lens, head_dim ** -0.5)
+    decode_attention(q, p.k_buf, p.v_buf, out, p.req_to_token, p.rows, p.seq_lens, head_dim**-0.5, splits)
+    ref = decode_attention_reference(q, p.k_buf, p.v_buf, p.req_to_token, p.rows, p.seq_lens, head_dim**-0.5)
     torch.testing.assert_close(out.float(), ref.float(), atol=ATOL[dtype], rtol=0)
 
 
@@ -116,13 +122,14 @@ def test_decode_seq_len_one_batch_of_one():
 
 
 def test_num_kv_splits_heuristic():
-    assert pick_num_kv_splits(1, 8, 1, DEVICE) == 1                # nothing to split
-    assert pick_num_kv_splits(1, 8, 4096, DEVICE) > 1              # batch 1, long context: split
-    assert pick_num_kv_splits(4096, 8, 4096, DEVICE) == 1          # big batch fills the GPU alone
-    assert pick_num_kv_splits(1, 1, 10 ** 6, DEVICE) <= 64
+    assert pick_num_kv_splits(1, 8, 1, DEVICE) == 1  # nothing to split
+    assert pick_num_kv_splits(1, 8, 4096, DEVICE) > 1  # batch 1, long context: split
+    assert pick_num_kv_splits(4096, 8, 4096, DEVICE) == 1  # big batch fills the GPU alone
+    assert pick_num_kv_splits(1, 1, 10**6, DEVICE) <= 64
 
 
 # ---------------------------------------------------------------------------------------------- extend
+
 
 def check_extend(prefix_lens, extend_lens, num_heads, num_kv_heads, head_dim, dtype):
     seq_lens = [a + b for a, b in zip(prefix_lens, extend_lens)]
@@ -131,20 +138,28 @@ def check_extend(prefix_lens, extend_lens, num_heads, num_kv_heads, head_dim, dt
     q = p.randn(T, num_heads, head_dim, dtype=dtype)
     k, v = p.randn(T, num_kv_heads, head_dim, dtype=dtype), p.randn(T, num_kv_heads, head_dim, dtype=dtype)
     starts = torch.tensor([0] + extend_lens[:-1]).cumsum(0).to(DEVICE)
-    args = (p.req_to_token, p.rows, torch.tensor(prefix_lens, device=DEVICE),
-            torch.tensor(extend_lens, device=DEVICE), starts)
+    args = (
+        p.req_to_token,
+        p.rows,
+        torch.tensor(prefix_lens, device=DEVICE),
+        torch.tensor(extend_lens, device=DEVICE),
+        starts,
+    )
     out = torch.full_like(q, float("nan"))
-    extend_attention(q, k, v, out, p.k_buf, p.v_buf, *args, max(extend_lens), head_dim ** -0.5)
-    ref = extend_attention_reference(q, k, v, p.k_buf, p.v_buf, *args, head_dim ** -0.5)
+    extend_attention(q, k, v, out, p.k_buf, p.v_buf, *args, max(extend_lens), head_dim**-0.5)
+    ref = extend_attention_reference(q, k, v, p.k_buf, p.v_buf, *args, head_dim**-0.5)
     torch.testing.assert_close(out.float(), ref.float(), atol=ATOL[dtype], rtol=0)
 
 
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("prefix_lens,extend_lens", [
-    ([0, 0, 0], [5, 33, 1]),           # plain prefill; lengths around the 16-row interpreter blocks
-    ([20, 0, 7, 40], [13, 17, 1, 2]),  # cached prefixes, one request with no prefix, single new tokens
-])
+@pytest.mark.parametrize(
+    "prefix_lens,extend_lens",
+    [
+        ([0, 0, 0], [5, 33, 1]),  # plain prefill; lengths around the 16-row interpreter blocks
+        ([20, 0, 7, 40], [13, 17, 1, 2]),  # cached prefixes, one request with no prefix, single new tokens
+    ],
+)
 def test_extend_matches_reference(group, head_dim, prefix_lens, extend_lens):
     check_extend(prefix_lens, extend_lens, 2 * group, 2, head_dim, torch.float32)
 
@@ -156,8 +171,10 @@ def test_extend_half_precision(dtype):
 
 # ---------------------------------------------------------------------------------------------- backend
 
-def run_backend(name, mode, seq_lens, prefix_lens, num_heads, num_kv_heads, head_dim, dtype, seed=0,
-                num_layers=1, slot_offset=0):
+
+def run_backend(
+    name, mode, seq_lens, prefix_lens, num_heads, num_kv_heads, head_dim, dtype, seed=0, num_layers=1, slot_offset=0
+):
     """One forward of backend `name` on a fresh scattered pool; -> (out, k_buf, v_buf).
 
     The pool is the engine's token-major KVPool with `num_layers` layers; the forward runs on the last layer,
@@ -176,7 +193,7 @@ def run_backend(name, mode, seq_lens, prefix_lens, num_heads, num_kv_heads, head
     locs = torch.cat([p.req_to_token[r, x:s] for r, x, s in zip(rows, prefix_lens, seq_lens)])
     positions = [j for x, s in zip(prefix_lens, seq_lens) for j in range(x, s)]
     batch = ForwardBatch.build(mode, [0] * T, positions, locs, rows, list(seq_lens), list(prefix_lens), DEVICE)
-    backend = get_backend_class(name)(p.req_to_token, pool, num_heads, num_kv_heads, head_dim, head_dim ** -0.5)
+    backend = get_backend_class(name)(p.req_to_token, pool, num_heads, num_kv_heads, head_dim, head_dim**-0.5)
     backend.init_forward_metadata(batch)
     out = backend.forward(q, k, v, layer, batch)
     return out, k_pool, v_pool
@@ -184,25 +201,32 @@ def run_backend(name, mode, seq_lens, prefix_lens, num_heads, num_kv_heads, head
 
 def check_backend(mode, seq_lens, prefix_lens, num_heads, num_kv_heads, head_dim, dtype):
     out, k_buf, v_buf = run_backend("triton", mode, seq_lens, prefix_lens, num_heads, num_kv_heads, head_dim, dtype)
-    ref, k_ref, v_ref = run_backend("torch_native", mode, seq_lens, prefix_lens, num_heads, num_kv_heads, head_dim,
-                                    dtype)
+    ref, k_ref, v_ref = run_backend(
+        "torch_native", mode, seq_lens, prefix_lens, num_heads, num_kv_heads, head_dim, dtype
+    )
     assert out.shape == ref.shape and out.dtype == dtype
     assert torch.equal(k_buf, k_ref) and torch.equal(v_buf, v_ref)
     torch.testing.assert_close(out.float(), ref.float(), atol=2 * ATOL[dtype], rtol=0)
 
 
-@pytest.mark.parametrize("mode,seq_lens,prefix_lens", [
-    (ForwardMode.EXTEND, [9, 23, 12, 30], [4, 0, 11, 7]),
-    (ForwardMode.DECODE, [7, 1, 45, 13], [6, 0, 44, 12]),
-])
+@pytest.mark.parametrize(
+    "mode,seq_lens,prefix_lens",
+    [
+        (ForwardMode.EXTEND, [9, 23, 12, 30], [4, 0, 11, 7]),
+        (ForwardMode.DECODE, [7, 1, 45, 13], [6, 0, 44, 12]),
+    ],
+)
 def test_backend_matches_torch_native(mode, seq_lens, prefix_lens):
     check_backend(mode, seq_lens, prefix_lens, 8, 2, 64, torch.float32)
 
 
-@pytest.mark.parametrize("mode,seq_lens,prefix_lens", [
-    (ForwardMode.EXTEND, [9, 23], [4, 0]),
-    (ForwardMode.DECODE, [7, 13], [6, 12]),
-])
+@pytest.mark.parametrize(
+    "mode,seq_lens,prefix_lens",
+    [
+        (ForwardMode.EXTEND, [9, 23], [4, 0]),
+        (ForwardMode.DECODE, [7, 13], [6, 12]),
+    ],
+)
 def test_backend_on_a_later_layer_of_a_multi_layer_pool(mode, seq_lens, prefix_lens):
     """The per-layer K/V views of a token-major pool are strided (slot stride = layers × 2 × Hkv × D)."""
     args = (mode, seq_lens, prefix_lens, 4, 2, 16, torch.float32)
@@ -227,9 +251,16 @@ def tiny_llama(device):
     from engine.models.loader import load_model  # imported here: the loader is not needed by the kernel tests
     from engine.models.source import ModelSource
 
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         initializer_range=0.1)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.1,
+    )
     return load_model(ModelSource(name="tiny-llama", folder="unused"), config, "dummy", torch.float32, device)
 
 
@@ -239,8 +270,12 @@ def check_greedy(prompt_lens, max_new_tokens, prefill_chunk):
     model = tiny_llama(DEVICE)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in prompt_lens]
-    results = {name: GreedyHarness(model, max_len=128, max_reqs=4, backend=name).generate(
-        prompts, max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk) for name in ("triton", "torch_native")}
+    results = {
+        name: GreedyHarness(model, max_len=128, max_reqs=4, backend=name).generate(
+            prompts, max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk
+        )
+        for name in ("triton", "torch_native")
+    }
     ours, ref = results["triton"], results["torch_native"]
     assert ours.output_ids == ref.output_ids
     for a, b in zip(ours.prefill_logits + ours.decode_logits, ref.prefill_logits + ref.decode_logits):
@@ -253,6 +288,7 @@ def test_greedy_matches_torch_native():
 
 
 # ---------------------------------------------------------------------------------------------- GPU shapes
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -272,10 +308,13 @@ def test_gpu_extend_long_prefixes(dtype, group, head_dim):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode,seq_lens,prefix_lens", [
-    (ForwardMode.EXTEND, [1000, 70, 2500], [0, 64, 2000]),
-    (ForwardMode.DECODE, [4096, 1, 777, 2049], [4095, 0, 776, 2048]),
-])
+@pytest.mark.parametrize(
+    "mode,seq_lens,prefix_lens",
+    [
+        (ForwardMode.EXTEND, [1000, 70, 2500], [0, 64, 2000]),
+        (ForwardMode.DECODE, [4096, 1, 777, 2049], [4095, 0, 776, 2048]),
+    ],
+)
 def test_gpu_backend_llama3_8b_heads(mode, seq_lens, prefix_lens):
     check_backend(mode, seq_lens, prefix_lens, 32, 8, 128, torch.bfloat16)
 

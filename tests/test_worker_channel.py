@@ -2,6 +2,7 @@
 one message per engine step carries every request's news, never one message per request; the ingress
 side hands each item to its request's queue and fails them all when the stream breaks. Without Ray:
 a real engine feeds the channel; a stand-in generator plays the Serve stream."""
+
 import asyncio
 
 import pytest
@@ -23,11 +24,13 @@ def test_one_batch_per_engine_step_for_all_requests(default_engine):
                 if item.finish_reason is not None:
                     done.add(rid)
                 channel.put(WorkerItem(rid, output=item))
+
             return deliver
 
         for i in range(n):
-            default_engine.submit(PROMPTS[i], dict(temperature=0, max_new_tokens=12, ignore_eos=True),
-                                  deliver_to(f"c{i}"), rid=f"c{i}")
+            default_engine.submit(
+                PROMPTS[i], dict(temperature=0, max_new_tokens=12, ignore_eos=True), deliver_to(f"c{i}"), rid=f"c{i}"
+            )
         batches = []
         while len(done) < n:
             batches.append(await asyncio.wait_for(channel.take(), 60))
@@ -79,11 +82,14 @@ class _StandInWorkers:
 
 def test_worker_stream_routes_items_and_fails_all_on_a_break():
     async def run():
-        items = [[WorkerItem("a", output="a0"), WorkerItem("b", output="b0")], [WorkerItem("a", output="a1"),
-                                                                                WorkerItem("x", output="x0")]]
+        items = [
+            [WorkerItem("a", output="a0"), WorkerItem("b", output="b0")],
+            [WorkerItem("a", output="a1"), WorkerItem("x", output="x0")],
+        ]
         ended = []
-        stream = WorkerStream(_StandInWorkers(_StandInCall(items, RuntimeError("worker died"))), "w1", "i1",
-                              ended.append)
+        stream = WorkerStream(
+            _StandInWorkers(_StandInCall(items, RuntimeError("worker died"))), "w1", "i1", ended.append
+        )
         qa, qb = stream.open("a"), stream.open("b")
         got_a = [await qa.get() for _ in range(3)]
         got_b = [await qb.get() for _ in range(2)]
@@ -139,6 +145,7 @@ def test_aborts_race_submits_and_stray_aborts_are_ignored():
         worker.abort("early", "me")  # overtook its submit
         await worker.submit([1, 2], SamplingParams(), "early", "ingress", "me")
         await worker.submit([1, 2], SamplingParams(), "early", "ingress", "me")  # a tombstone is used once
+
     asyncio.run(run())
     assert worker.engine.submitted == ["stray", "early"]
     assert worker.engine.aborted == ["early"]

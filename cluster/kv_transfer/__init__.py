@@ -22,14 +22,26 @@ region. On GPU a NIXL write waits (without blocking) for the kernels queued befo
 Backends (registry below, imported lazily): "nixl" (UCX; GPU or host memory) in nixl.py,
 "nccl" (2-rank NCCL communicator per pair; GPU only) in nccl.py. The contract is in base.py.
 """
+
 from __future__ import annotations
 
 import importlib
 from typing import Any, Sequence
 
-from cluster.kv_transfer.base import (MAX_MESSAGE_BYTES, KVLayout, KVTransferBackend, KVTransferError,  # noqa: F401
-                                      KVTransferTimeout, PageRun, PeerInfo, TransferHandle, TransferStatus,
-                                      page_run_arrays, page_runs, transfer_digest)
+from cluster.kv_transfer.base import (
+    MAX_MESSAGE_BYTES,
+    KVLayout,
+    KVTransferBackend,
+    KVTransferError,  # noqa: F401
+    KVTransferTimeout,
+    PageRun,
+    PeerInfo,
+    TransferHandle,
+    TransferStatus,
+    page_run_arrays,
+    page_runs,
+    transfer_digest,
+)
 
 _BACKENDS = {
     "nixl": ("cluster.kv_transfer.nixl", "NixlBackend"),
@@ -41,8 +53,9 @@ def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def make_backend(name: str, agent_name: str, buffers: Sequence[Any], page_size: int,
-                 **kwargs: Any) -> KVTransferBackend:
+def make_backend(
+    name: str, agent_name: str, buffers: Sequence[Any], page_size: int, **kwargs: Any
+) -> KVTransferBackend:
     """Build backend `name` over `buffers` (registered once; they must outlive the backend)."""
     if name not in _BACKENDS:
         raise KVTransferError(f"unknown KV transfer backend {name!r}; available: {available_backends()}")

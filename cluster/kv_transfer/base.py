@@ -17,6 +17,7 @@ still running could otherwise land data in pages that were handed to another req
 Registered buffers must stay where they are: never pickle them through torch.multiprocessing
 (it moves a CPU tensor's storage into shared memory, away from the registered address).
 """
+
 from __future__ import annotations
 
 import abc
@@ -75,23 +76,34 @@ class KVLayout:
         first = buffers[0]
         for i, buf in enumerate(buffers):
             if (buf.shape, buf.dtype, buf.device) != (first.shape, first.dtype, first.device):
-                raise KVTransferError(f"buffer {i} is {tuple(buf.shape)} {buf.dtype} on {buf.device}; buffer 0 is "
-                                      f"{tuple(first.shape)} {first.dtype} on {first.device}: all must match")
+                raise KVTransferError(
+                    f"buffer {i} is {tuple(buf.shape)} {buf.dtype} on {buf.device}; buffer 0 is "
+                    f"{tuple(first.shape)} {first.dtype} on {first.device}: all must match"
+                )
             if not buf.is_contiguous():
                 raise KVTransferError(f"buffer {i} is not contiguous")
         num_slots = first.shape[0]
         if num_slots % page_size or num_slots < 2 * page_size:
-            raise KVTransferError(f"num_slots={num_slots} must be a multiple of page_size={page_size} "
-                                  f"holding at least 2 pages")
+            raise KVTransferError(
+                f"num_slots={num_slots} must be a multiple of page_size={page_size} holding at least 2 pages"
+            )
         page_bytes = first[:page_size].numel() * first.element_size()
-        return cls(num_buffers=len(buffers), num_pages=num_slots // page_size, page_size=page_size,
-                   page_bytes=page_bytes, dtype=str(first.dtype), device=str(first.device))
+        return cls(
+            num_buffers=len(buffers),
+            num_pages=num_slots // page_size,
+            page_size=page_size,
+            page_bytes=page_bytes,
+            dtype=str(first.dtype),
+            device=str(first.device),
+        )
 
     def check_compatible(self, other: "KVLayout", peer: str) -> None:
         """Raise KVTransferError naming every field in which `other` (peer's layout) differs."""
-        diffs = [f"{name}: local {getattr(self, name)!r} vs peer {getattr(other, name)!r}"
-                 for name in ("num_buffers", "page_size", "page_bytes", "dtype")
-                 if getattr(self, name) != getattr(other, name)]
+        diffs = [
+            f"{name}: local {getattr(self, name)!r} vs peer {getattr(other, name)!r}"
+            for name in ("num_buffers", "page_size", "page_bytes", "dtype")
+            if getattr(self, name) != getattr(other, name)
+        ]
         if diffs:
             raise KVTransferError(f"KV layout of peer {peer!r} does not match: " + "; ".join(diffs))
 
@@ -147,8 +159,9 @@ def check_pages(pages: np.ndarray, num_pages: int, name: str, *, unique: bool) -
     low, high = (pages[0], pages[-1]) if increasing else (pages.min(), pages.max())
     if low < 1 or high >= num_pages:
         bad = pages[(pages < 1) | (pages >= num_pages)]
-        raise KVTransferError(f"{name} holds page ids outside [1, {num_pages}) (page 0 is reserved): "
-                              f"{bad[:8].tolist()}")
+        raise KVTransferError(
+            f"{name} holds page ids outside [1, {num_pages}) (page 0 is reserved): {bad[:8].tolist()}"
+        )
     if unique and not increasing and np.unique(pages).size != pages.size:
         raise KVTransferError(f"{name} holds duplicate page ids")
 
@@ -169,8 +182,12 @@ def page_run_arrays(src_pages: np.ndarray, dst_pages: np.ndarray) -> tuple[np.nd
         return empty, empty, empty
     # One run on both sides, the usual handoff (fresh pages at both ends): strictly increasing ids that
     # span exactly n values are consecutive. Two vector comparisons instead of the general path's ~10 calls.
-    if (src_pages[-1] - src_pages[0] == n - 1 and dst_pages[-1] - dst_pages[0] == n - 1
-            and _increasing(src_pages) and _increasing(dst_pages)):
+    if (
+        src_pages[-1] - src_pages[0] == n - 1
+        and dst_pages[-1] - dst_pages[0] == n - 1
+        and _increasing(src_pages)
+        and _increasing(dst_pages)
+    ):
         return src_pages[:1], dst_pages[:1], np.array([n], dtype=np.int64)
     # slicing, not np.diff: fewer calls on the handoff's critical path
     breaks = np.flatnonzero((src_pages[1:] - src_pages[:-1] != 1) | (dst_pages[1:] - dst_pages[:-1] != 1)) + 1
@@ -187,8 +204,11 @@ def page_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> list[PageRun]:
 
 def transfer_digest(dst_pages: np.ndarray, buffer_ids: np.ndarray) -> int:
     """A checksum of (dst pages, buffer ids): both sides compare it to catch a writer/receiver mix-up."""
-    return zlib.crc32(np.ascontiguousarray(dst_pages, dtype=np.int64).tobytes() + b"|"
-                      + np.ascontiguousarray(buffer_ids, dtype=np.int64).tobytes())
+    return zlib.crc32(
+        np.ascontiguousarray(dst_pages, dtype=np.int64).tobytes()
+        + b"|"
+        + np.ascontiguousarray(buffer_ids, dtype=np.int64).tobytes()
+    )
 
 
 MAX_MESSAGE_BYTES = 64 * 1024
@@ -269,8 +289,9 @@ class KVTransferBackend(abc.ABC):
         self._connect(peer)
         self._peers[peer.name] = peer
 
-    def write(self, peer: str, src_pages: Any, dst_pages: Any, transfer_id: str, message: bytes = b"",
-              src_ready: bool = False) -> TransferHandle:
+    def write(
+        self, peer: str, src_pages: Any, dst_pages: Any, transfer_id: str, message: bytes = b"", src_ready: bool = False
+    ) -> TransferHandle:
         """Start writing local src_pages into the peer's dst_pages, in every buffer (asynchronous; writer side).
         `message` (at most MAX_MESSAGE_BYTES) reaches the receiver's handle with the transfer's completion:
         when its expect is DONE, the pages and the message have both arrived.
@@ -281,8 +302,10 @@ class KVTransferBackend(abc.ABC):
         with the first token), so the write starts without that wait."""
         info = self._peer(peer)
         if not isinstance(message, bytes) or len(message) > MAX_MESSAGE_BYTES:
-            raise KVTransferError(f"message must be bytes of at most {MAX_MESSAGE_BYTES} (got "
-                                  f"{type(message).__name__} of {len(message) if isinstance(message, bytes) else '?'})")
+            raise KVTransferError(
+                f"message must be bytes of at most {MAX_MESSAGE_BYTES} (got "
+                f"{type(message).__name__} of {len(message) if isinstance(message, bytes) else '?'})"
+            )
         src = as_pages(src_pages, "src_pages")
         dst = as_pages(dst_pages, "dst_pages")
         if src.size != dst.size:
@@ -290,8 +313,13 @@ class KVTransferBackend(abc.ABC):
         runs = page_run_arrays(src, dst)
         n = src.size
         one_run = runs[2].size == 1  # consecutive ascending ids on both sides: no duplicates; bounds at the ends
-        if not (one_run and 1 <= runs[0][0] and runs[0][0] + n <= self.layout.num_pages
-                and 1 <= runs[1][0] and runs[1][0] + n <= info.layout.num_pages):
+        if not (
+            one_run
+            and 1 <= runs[0][0]
+            and runs[0][0] + n <= self.layout.num_pages
+            and 1 <= runs[1][0]
+            and runs[1][0] + n <= info.layout.num_pages
+        ):
             check_pages(src, self.layout.num_pages, "src_pages", unique=False)
             check_pages(dst, info.layout.num_pages, "dst_pages", unique=True)
         handle = self._new_handle("write", peer, transfer_id, n)
@@ -347,11 +375,14 @@ class KVTransferBackend(abc.ABC):
                 if status is TransferStatus.DONE:
                     return
                 if status is TransferStatus.FAILED:
-                    raise KVTransferError(f"transfer {handle.transfer_id!r} ({handle.role}, peer {handle.peer!r}) "
-                                          f"failed: {handle.error}")
+                    raise KVTransferError(
+                        f"transfer {handle.transfer_id!r} ({handle.role}, peer {handle.peer!r}) failed: {handle.error}"
+                    )
                 if time.monotonic() >= deadline:
-                    raise KVTransferTimeout(f"transfer {handle.transfer_id!r} ({handle.role}, peer "
-                                            f"{handle.peer!r}) not done after {timeout_s:.3g} s")
+                    raise KVTransferTimeout(
+                        f"transfer {handle.transfer_id!r} ({handle.role}, peer "
+                        f"{handle.peer!r}) not done after {timeout_s:.3g} s"
+                    )
                 await asyncio.sleep(delay)
                 # A handoff's transfer takes 0.1-10 ms: a late poll adds straight to the request's TTFT,
                 # so the back-off stops at 0.2 ms (a poll costs ~10 us of this event loop).
@@ -367,8 +398,9 @@ class KVTransferBackend(abc.ABC):
     def _peer(self, peer: str) -> PeerInfo:
         info = self._peers.get(peer)
         if info is None:
-            raise KVTransferError(f"unknown peer {peer!r}: call connect() with its PeerInfo first "
-                                  f"(known: {sorted(self._peers)})")
+            raise KVTransferError(
+                f"unknown peer {peer!r}: call connect() with its PeerInfo first (known: {sorted(self._peers)})"
+            )
         return info
 
     def _new_handle(self, role: str, peer: str, transfer_id: str, num_pages: int) -> TransferHandle:
@@ -377,8 +409,9 @@ class KVTransferBackend(abc.ABC):
         if (role, transfer_id) in self._live:
             raise KVTransferError(f"transfer_id {transfer_id!r} is already in flight ({role})")
         bufs = self._buffer_ids
-        handle = TransferHandle(transfer_id, peer, role, num_pages, num_pages * self.layout.page_bytes * bufs.size,
-                                buffer_ids=bufs)
+        handle = TransferHandle(
+            transfer_id, peer, role, num_pages, num_pages * self.layout.page_bytes * bufs.size, buffer_ids=bufs
+        )
         self._live[(role, transfer_id)] = handle
         return handle
 
@@ -404,8 +437,15 @@ class KVTransferBackend(abc.ABC):
     def _disconnect(self, peer: PeerInfo) -> None: ...
 
     @abc.abstractmethod
-    def _start_write(self, handle: TransferHandle, peer: PeerInfo, src: np.ndarray, dst: np.ndarray,
-                     runs: tuple[np.ndarray, np.ndarray, np.ndarray], src_ready: bool) -> None:
+    def _start_write(
+        self,
+        handle: TransferHandle,
+        peer: PeerInfo,
+        src: np.ndarray,
+        dst: np.ndarray,
+        runs: tuple[np.ndarray, np.ndarray, np.ndarray],
+        src_ready: bool,
+    ) -> None:
         """Post the write; `runs` is page_run_arrays(src, dst), validated."""
 
     @abc.abstractmethod

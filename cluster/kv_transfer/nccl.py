@@ -20,6 +20,7 @@ it aborts the pair's communicator (every transfer on it fails) and tells the pee
 pair's store, whose next poll or write aborts its side too; both sides then call connect()
 again (same PeerInfo), which builds the next generation of the pair.
 """
+
 from __future__ import annotations
 
 import base64
@@ -37,8 +38,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from cluster.kv_transfer.base import (KVTransferBackend, KVTransferError, PeerInfo, TransferHandle,
-                                      TransferStatus)
+from cluster.kv_transfer.base import KVTransferBackend, KVTransferError, PeerInfo, TransferHandle, TransferStatus
 
 logger = logging.getLogger(__name__)
 _STORE_CONNECT_TIMEOUT = timedelta(seconds=30)
@@ -109,8 +109,14 @@ class _Pair:
 class NcclBackend(KVTransferBackend):
     name = "nccl"
 
-    def __init__(self, agent_name: str, buffers: Sequence[torch.Tensor], page_size: int,
-                 host: Optional[str] = None, nccl_timeout_s: float = 1800.0):
+    def __init__(
+        self,
+        agent_name: str,
+        buffers: Sequence[torch.Tensor],
+        page_size: int,
+        host: Optional[str] = None,
+        nccl_timeout_s: float = 1800.0,
+    ):
         """`nccl_timeout_s` bounds NCCL's own watchdog; keep it above every transfer timeout."""
         super().__init__(agent_name, buffers, page_size)
         import torch.distributed as dist
@@ -128,8 +134,10 @@ class NcclBackend(KVTransferBackend):
 
     def _check_device(self) -> None:
         if not self.layout.device.startswith("cuda"):
-            raise KVTransferError(f"the NCCL backend moves CUDA memory only; the KV buffers are on "
-                                  f"{self.layout.device} (use the nixl backend for host memory)")
+            raise KVTransferError(
+                f"the NCCL backend moves CUDA memory only; the KV buffers are on "
+                f"{self.layout.device} (use the nixl backend for host memory)"
+            )
         if not self._dist.is_available() or not self._dist.is_nccl_available():
             raise KVTransferError("this torch build has no NCCL support")
 
@@ -141,8 +149,13 @@ class NcclBackend(KVTransferBackend):
         return self._dist.ProcessGroupNCCL(store, rank, 2, options)
 
     def info(self) -> PeerInfo:
-        return PeerInfo(name=self.agent_name, backend=self.name, layout=self.layout, instance=self._instance,
-                        store_addr=(self._host, self._store.port))
+        return PeerInfo(
+            name=self.agent_name,
+            backend=self.name,
+            layout=self.layout,
+            instance=self._instance,
+            store_addr=(self._host, self._store.port),
+        )
 
     # ---- pairs
     def connect(self, peer: PeerInfo) -> None:
@@ -217,7 +230,7 @@ class NcclBackend(KVTransferBackend):
         """Pages [start, start + length) of every (start, length) run of the given buffers, buffer-major:
         contiguous views."""
         ps = self.layout.page_size
-        return [self.buffers[b][s * ps:(s + n) * ps] for b in buffer_ids.tolist() for s, n in runs]
+        return [self.buffers[b][s * ps : (s + n) * ps] for b in buffer_ids.tolist() for s, n in runs]
 
     def _post(self, pair: _Pair, tensors: list[torch.Tensor], send: bool) -> Any:
         """One coalesced NCCL group of sends (or receives) of `tensors`, in order; returns its Work."""
@@ -228,16 +241,27 @@ class NcclBackend(KVTransferBackend):
                 op([t], 1 - pair.rank, 0)
             return _coalescing(pair.pg, "_end_coalescing", self.device)
 
-    def _start_write(self, handle: TransferHandle, peer: PeerInfo, src: np.ndarray, dst: np.ndarray,
-                     runs: tuple[np.ndarray, np.ndarray, np.ndarray], src_ready: bool) -> None:
+    def _start_write(
+        self,
+        handle: TransferHandle,
+        peer: PeerInfo,
+        src: np.ndarray,
+        dst: np.ndarray,
+        runs: tuple[np.ndarray, np.ndarray, np.ndarray],
+        src_ready: bool,
+    ) -> None:
         # src_ready changes nothing here: the process group's sends wait for the current stream's work anyway.
         pair = self._pairs[peer.name]
         if self._check_broken(pair) is not None:
             handle.error = f"the NCCL pair with {peer.name!r} was aborted ({pair.broken}); connect again"
             return
         src_starts, dst_starts, lengths = (r.tolist() for r in runs)
-        header = {"id": handle.transfer_id, "runs": [list(r) for r in zip(dst_starts, lengths)],
-                  "buffers": handle.buffer_ids.tolist(), "message": base64.b64encode(handle.message).decode()}
+        header = {
+            "id": handle.transfer_id,
+            "runs": [list(r) for r in zip(dst_starts, lengths)],
+            "buffers": handle.buffer_ids.tolist(),
+            "message": base64.b64encode(handle.message).decode(),
+        }
         tensors = self._views(list(zip(src_starts, lengths)), handle.buffer_ids)
         try:
             pair.store.queue_push(f"hdr/{self.agent_name}", json.dumps(header))
@@ -328,4 +352,3 @@ class NcclBackend(KVTransferBackend):
             work = handle.state
         if work is not None and not work.is_completed():
             self._break(pair, f"transfer {handle.transfer_id!r} was released unfinished")
-

@@ -34,6 +34,7 @@ set in the environment wins. NIXL's progress thread is on: without it, progress 
 in poll, and a WRITE (host memory, UCX 1.5.1) completes only while the receiver polls as well.
 `RADIXSERVE_NIXL_PROGRESS_THREAD=0` turns it off (faster on a 2-core host when both sides poll).
 """
+
 from __future__ import annotations
 
 import functools
@@ -49,8 +50,14 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from cluster.kv_transfer.base import (KVTransferBackend, KVTransferError, PeerInfo, TransferHandle,
-                                      TransferStatus, transfer_digest)
+from cluster.kv_transfer.base import (
+    KVTransferBackend,
+    KVTransferError,
+    PeerInfo,
+    TransferHandle,
+    TransferStatus,
+    transfer_digest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +105,9 @@ def import_nixl() -> Any:
             return importlib.import_module(name)
         except ImportError as e:
             errors.append(f"{name}: {e}")
-    raise KVTransferError("NIXL is not installed (pip install nixl-cu13, or nixl-cu12 for CUDA 12): "
-                          + "; ".join(errors))
+    raise KVTransferError(
+        "NIXL is not installed (pip install nixl-cu13, or nixl-cu12 for CUDA 12): " + "; ".join(errors)
+    )
 
 
 _LIST_ROWS_MAX = 32
@@ -107,8 +115,7 @@ _LIST_ROWS_MAX = 32
 on the handoff's critical path); above it, as one numpy array."""
 
 
-def _run_rows(bases: Sequence[int], starts: np.ndarray, lengths: np.ndarray, page_bytes: int,
-              dev_id: int) -> Any:
+def _run_rows(bases: Sequence[int], starts: np.ndarray, lengths: np.ndarray, page_bytes: int, dev_id: int) -> Any:
     """(len(bases) × runs) rows (address, bytes, device id), buffer-major: runs of pages `starts[i]`..
     `starts[i] + lengths[i] - 1` in each buffer at base address `bases[b]`. A list of 3-tuples for few
     regions, else an (n, 3) int64 array (get_xfer_descs takes both)."""
@@ -137,8 +144,14 @@ def _mem_type(device: str) -> str:
 class NixlBackend(KVTransferBackend):
     name = "nixl"
 
-    def __init__(self, agent_name: str, buffers: Sequence[torch.Tensor], page_size: int,
-                 num_threads: int | None = None, capture_telemetry: bool = False):
+    def __init__(
+        self,
+        agent_name: str,
+        buffers: Sequence[torch.Tensor],
+        page_size: int,
+        num_threads: int | None = None,
+        capture_telemetry: bool = False,
+    ):
         """`num_threads`: dedicated UCX worker threads that post and progress every WRITE (None:
         RADIXSERVE_NIXL_THREADS, else DEFAULT_THREADS; 0: NIXL's shared worker and progress thread);
         `capture_telemetry` enables `regions()`."""
@@ -169,8 +182,9 @@ class NixlBackend(KVTransferBackend):
             num_threads = int(os.environ.get("RADIXSERVE_NIXL_THREADS", DEFAULT_THREADS))
         if num_threads < 0:
             raise KVTransferError(f"NIXL worker threads must be >= 0, got {num_threads}")
-        config = self._nixl.nixl_agent_config(enable_prog_thread=progress, backends=[],
-                                              capture_telemetry=capture_telemetry)
+        config = self._nixl.nixl_agent_config(
+            enable_prog_thread=progress, backends=[], capture_telemetry=capture_telemetry
+        )
         self.agent = self._nixl.nixl_agent(self.agent_name, config)
         # split_batch_size 1: a transfer of any number of descriptors goes to the dedicated workers
         # (NIXL's default, 1024, keeps transfers of fewer descriptors on the slower shared worker).
@@ -178,17 +192,24 @@ class NixlBackend(KVTransferBackend):
         try:
             self.agent.create_backend("UCX", params)
         except Exception as e:  # the bindings raise their own exception types
-            raise KVTransferError("NIXL's UCX backend could not be created (is its plugin in this installation?): "
-                                  f"{type(e).__name__}: {e}") from e
+            raise KVTransferError(
+                "NIXL's UCX backend could not be created (is its plugin in this installation?): "
+                f"{type(e).__name__}: {e}"
+            ) from e
         self.num_threads = num_threads
         self._reg = self.agent.register_memory(self.buffers)
 
     def info(self) -> PeerInfo:
         # Built once: the registrations never change, and a decode replica sends it with every prefill call.
         if self._info is None:
-            self._info = PeerInfo(name=self.agent_name, backend=self.name, layout=self.layout,
-                                  instance=self._instance, buffer_addrs=tuple(b.data_ptr() for b in self.buffers),
-                                  agent_metadata=self.agent.get_agent_metadata())
+            self._info = PeerInfo(
+                name=self.agent_name,
+                backend=self.name,
+                layout=self.layout,
+                instance=self._instance,
+                buffer_addrs=tuple(b.data_ptr() for b in self.buffers),
+                agent_metadata=self.agent.get_agent_metadata(),
+            )
         return self._info
 
     # ---- peers
@@ -214,15 +235,24 @@ class NixlBackend(KVTransferBackend):
         self._peers.pop(peer.name, None)
 
     # ---- transfers
-    def _start_write(self, handle: TransferHandle, peer: PeerInfo, src: np.ndarray, dst: np.ndarray,
-                     runs: tuple[np.ndarray, np.ndarray, np.ndarray], src_ready: bool) -> None:
+    def _start_write(
+        self,
+        handle: TransferHandle,
+        peer: PeerInfo,
+        src: np.ndarray,
+        dst: np.ndarray,
+        runs: tuple[np.ndarray, np.ndarray, np.ndarray],
+        src_ready: bool,
+    ) -> None:
         header = f"{handle.transfer_id}|{transfer_digest(dst, handle.buffer_ids)}".encode()
         notif = _NOTIF_PREFIX + struct.pack("<I", len(header)) + header + handle.message
         src_starts, dst_starts, lengths = runs
         page_bytes = self.layout.page_bytes
-        write = _Write(_run_rows(self._bases, src_starts, lengths, page_bytes, self._dev_id),
-                       _run_rows(peer.buffer_addrs, dst_starts, lengths, page_bytes,
-                                 _device_index(peer.layout.device)), notif)
+        write = _Write(
+            _run_rows(self._bases, src_starts, lengths, page_bytes, self._dev_id),
+            _run_rows(peer.buffer_addrs, dst_starts, lengths, page_bytes, _device_index(peer.layout.device)),
+            notif,
+        )
         if self.layout.device != "cpu" and not src_ready:  # post once the work queued so far is done
             write.ready = self._events.pop() if self._events else torch.cuda.Event()
             write.ready.record(torch.cuda.current_stream(self.buffers[0].device))
@@ -238,9 +268,13 @@ class NixlBackend(KVTransferBackend):
             write.ready = None
         try:  # runtime failures (peer gone) surface through poll/wait, like those after posting
             mem = _mem_type(self.layout.device)
-            write.xfer = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(write.local, mem),
-                                                    self.agent.get_xfer_descs(write.remote, mem), handle.peer,
-                                                    write.notif)
+            write.xfer = self.agent.initialize_xfer(
+                "WRITE",
+                self.agent.get_xfer_descs(write.local, mem),
+                self.agent.get_xfer_descs(write.remote, mem),
+                handle.peer,
+                write.notif,
+            )
             if self.agent.transfer(write.xfer) == "ERR":
                 handle.error = "NIXL could not post the WRITE"
         except Exception as e:  # the bindings raise their own exception types (nixl*Error)
@@ -301,11 +335,11 @@ class NixlBackend(KVTransferBackend):
                 if not msg.startswith(_NOTIF_PREFIX):
                     continue
                 at = len(_NOTIF_PREFIX) + 4
-                (size,) = struct.unpack("<I", msg[at - 4:at])
-                transfer_id, _, digest = msg[at:at + size].decode().rpartition("|")
+                (size,) = struct.unpack("<I", msg[at - 4 : at])
+                transfer_id, _, digest = msg[at : at + size].decode().rpartition("|")
                 key = (peer, transfer_id)
                 if self._abandoned.pop(key, None) is None:
-                    self._arrived[key] = (int(digest), now, msg[at + size:])
+                    self._arrived[key] = (int(digest), now, msg[at + size :])
         if now - self._pruned > _STALE_NOTIF_S / 10:
             self._pruned = now
             self._arrived = {k: v for k, v in self._arrived.items() if now - v[1] < _STALE_NOTIF_S}

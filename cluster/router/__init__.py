@@ -20,8 +20,21 @@ ClusterState / WorkerState (state.py) — membership, load, per-worker counters;
 RoutingPolicy and its registry (policies.py) — the decision. Nothing here is
 thread-safe: the router deployment's event loop owns all of it.
 """
-from cluster.router.policies import (NoWorkersError, Router, RoutingDecision, RoutingPolicy,  # noqa: F401
-                                     available_policies, make_policy, register_policy)
-from cluster.router.state import (ClusterState, MembershipChange, RouterConfig, WorkerState,  # noqa: F401
-                                  WorkerStats)
+
+from cluster.router.policies import (
+    NoWorkersError,
+    Router,
+    RoutingDecision,
+    RoutingPolicy,  # noqa: F401
+    available_policies,
+    make_policy,
+    register_policy,
+)
+from cluster.router.state import (
+    ClusterState,
+    MembershipChange,
+    RouterConfig,
+    WorkerState,  # noqa: F401
+    WorkerStats,
+)
 from cluster.router.tree import ApproximateTree  # noqa: F401

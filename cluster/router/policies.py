@@ -13,6 +13,7 @@ worker's approximate tree — for every policy, so cache statistics stay compara
     prefix_hash   rendezvous hashing of the first `prefix_hash_tokens` tokens: adding or
                   removing a worker moves only the keys that it wins or held
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -55,8 +56,9 @@ class RoutingPolicy(ABC):
             raise NoWorkersError("no workers to route to")
         return state.worker_ids
 
-    def _decide(self, worker_id: WorkerId, input_ids: Sequence[int], state: ClusterState,
-                reason: Optional[str] = None) -> RoutingDecision:
+    def _decide(
+        self, worker_id: WorkerId, input_ids: Sequence[int], state: ClusterState, reason: Optional[str] = None
+    ) -> RoutingDecision:
         return RoutingDecision(worker_id, state.match(worker_id, input_ids), reason or self.name)
 
 
@@ -68,6 +70,7 @@ def register_policy(name: str) -> Callable[[Type[RoutingPolicy]], Type[RoutingPo
         cls.name = name
         _REGISTRY[name] = cls
         return cls
+
     return wrap
 
 
@@ -75,8 +78,7 @@ def available_policies() -> List[str]:
     return sorted(_REGISTRY)
 
 
-def make_policy(name: str, config: Optional[RouterConfig] = None,
-                rng: Optional[random.Random] = None) -> RoutingPolicy:
+def make_policy(name: str, config: Optional[RouterConfig] = None, rng: Optional[random.Random] = None) -> RoutingPolicy:
     try:
         cls = _REGISTRY[name]
     except KeyError:
@@ -104,8 +106,7 @@ class CacheAwarePolicy(RoutingPolicy):
         loads = state.loads()
         sizes = {w: state.workers[w].tree.size() for w in workers}
         max_load, min_load = max(loads.values()), min(loads.values())
-        if (max_load - min_load > cfg.balance_abs_threshold
-                and max_load > cfg.balance_rel_threshold * min_load):
+        if max_load - min_load > cfg.balance_abs_threshold and max_load > cfg.balance_rel_threshold * min_load:
             target = min(workers, key=lambda w: (loads[w], sizes[w]))
             return RoutingDecision(target, state.match(target, tokens), "imbalanced")
         matches = {w: state.match(w, tokens) for w in workers}
@@ -163,7 +164,7 @@ class PrefixHashPolicy(RoutingPolicy):
 
     def choose(self, input_ids: Sequence[int], state: ClusterState) -> RoutingDecision:
         workers = self._workers(state)
-        prefix = array("q", input_ids[:self.config.prefix_hash_tokens]).tobytes()
+        prefix = array("q", input_ids[: self.config.prefix_hash_tokens]).tobytes()
         digest = hashlib.blake2b(prefix, digest_size=16).digest()
         target = max(workers, key=lambda w: _score(digest, w))
         return self._decide(target, input_ids, state)
@@ -176,8 +177,13 @@ def _score(digest: bytes, worker_id: WorkerId) -> bytes:
 class Router:
     """One policy over one ClusterState, both built from the same RouterConfig."""
 
-    def __init__(self, policy: str = "cache_aware", config: Optional[RouterConfig] = None,
-                 rng: Optional[random.Random] = None, state: Optional[ClusterState] = None):
+    def __init__(
+        self,
+        policy: str = "cache_aware",
+        config: Optional[RouterConfig] = None,
+        rng: Optional[random.Random] = None,
+        state: Optional[ClusterState] = None,
+    ):
         self.config = config or (state.config if state is not None else RouterConfig())
         self.state = state or ClusterState(self.config)
         self.policy = make_policy(policy, self.config, rng)

@@ -20,6 +20,7 @@ mode, `prefill` and `decode` in disaggregated mode.
 One replica, one event loop: ClusterState is not thread-safe and every method here runs on the
 replica's loop. Token streams never pass through here.
 """
+
 import asyncio
 import collections
 import logging
@@ -47,12 +48,14 @@ _MEMBERSHIP_WAIT_S = 60.0
 @dataclass(frozen=True)
 class PairDecision:
     """Disaggregated mode: where a request prefills and where it decodes."""
+
     prefill: RoutingDecision
     decode: RoutingDecision
 
 
 class WorkerView(BaseModel):
     """One worker in ClusterStats."""
+
     pool: str = Field("unified", description="The worker's pool: unified, prefill or decode.")
     tree_tokens: int = Field(description="Tokens in the router's approximate tree of this worker.")
     tree_nodes: int
@@ -71,10 +74,13 @@ class ClusterStats(BaseModel):
     policy: str
     workers: Dict[str, WorkerView]
     routed_requests: int
-    cache_hit_rate: float = Field(description="Cached / prompt tokens over the live workers' engines that compute "
-                                  "prompts (unified and prefill pools).")
-    route_latency_ms: Dict[str, float] = Field(description="Policy decision time in the router: p50, p99, max "
-                                                         "over the last 4096 decisions.")
+    cache_hit_rate: float = Field(
+        description="Cached / prompt tokens over the live workers' engines that compute "
+        "prompts (unified and prefill pools)."
+    )
+    route_latency_ms: Dict[str, float] = Field(
+        description="Policy decision time in the router: p50, p99, max over the last 4096 decisions."
+    )
     membership_changes: int
     purged_workers: List[str] = Field(description="Recently purged worker replica ids (newest last).")
 
@@ -82,6 +88,7 @@ class ClusterStats(BaseModel):
 @dataclass
 class _Pool:
     """One worker pool as the router deployment tracks it."""
+
     name: str
     handle: Any
     """DeploymentHandle of the pool's Serve deployment (calls pinned by session_id)."""
@@ -95,16 +102,21 @@ class _Pool:
 
 
 class RouterDeployment:
-    async def __init__(self, pools: Dict[str, Any], policy: str, router_config: Dict[str, Any],
-                       report_interval_s: float = 0.5, scaling: Optional[ScalingConfig] = None):
+    async def __init__(
+        self,
+        pools: Dict[str, Any],
+        policy: str,
+        router_config: Dict[str, Any],
+        report_interval_s: float = 0.5,
+        scaling: Optional[ScalingConfig] = None,
+    ):
         """`pools`: pool name → DeploymentHandle of its workers ({"unified": h} or {"prefill": p, "decode": d}).
         `scaling`: pool sizing (cluster/scaling.py); None: pools keep their size, no admin API."""
         self.policy = policy
         self.report_interval_s = report_interval_s
         self.pools: Dict[str, _Pool] = {}
         for name, handle in pools.items():
-            self.pools[name] = _Pool(name, handle, Router(policy, RouterConfig(**router_config)),
-                                     handle.deployment_id)
+            self.pools[name] = _Pool(name, handle, Router(policy, RouterConfig(**router_config)), handle.deployment_id)
             handle._init()  # start hearing the pool's replica set now (pinning → membership)
         self._latency_ms: collections.deque = collections.deque(maxlen=4096)
         self._decisions: "collections.OrderedDict[str, str]" = collections.OrderedDict()
@@ -184,20 +196,32 @@ class RouterDeployment:
             self._sync_members(p)
             state = p.router.state
             for wid, s in state.stats().items():
-                views[wid] = WorkerView(pool=p.name, tree_tokens=s.tree_tokens, tree_nodes=s.tree_nodes,
-                                        routed_requests=s.routed_requests, routed_tokens=s.routed_tokens,
-                                        matched_tokens=s.matched_tokens, in_flight=s.in_flight,
-                                        queue_len=s.queue_len, kv_usage=s.kv_usage, load=s.load,
-                                        events_applied=state.workers[wid].events_applied,
-                                        engine=p.engine_stats.get(wid, {}))
+                views[wid] = WorkerView(
+                    pool=p.name,
+                    tree_tokens=s.tree_tokens,
+                    tree_nodes=s.tree_nodes,
+                    routed_requests=s.routed_requests,
+                    routed_tokens=s.routed_tokens,
+                    matched_tokens=s.matched_tokens,
+                    in_flight=s.in_flight,
+                    queue_len=s.queue_len,
+                    kv_usage=s.kv_usage,
+                    load=s.load,
+                    events_applied=state.workers[wid].events_applied,
+                    engine=p.engine_stats.get(wid, {}),
+                )
         computing = [v for v in views.values() if v.pool != "decode"]
         prompt = sum(v.engine.get("prompt_tokens", 0) for v in computing)
         cached = sum(v.engine.get("cached_tokens", 0) for v in computing)
-        return ClusterStats(policy=self.policy, workers=views,
-                            routed_requests=sum(v.routed_requests for v in computing),
-                            cache_hit_rate=cached / prompt if prompt else 0.0,
-                            route_latency_ms=percentiles(self._latency_ms),
-                            membership_changes=self._membership_changes, purged_workers=list(self._purged))
+        return ClusterStats(
+            policy=self.policy,
+            workers=views,
+            routed_requests=sum(v.routed_requests for v in computing),
+            cache_hit_rate=cached / prompt if prompt else 0.0,
+            route_latency_ms=percentiles(self._latency_ms),
+            membership_changes=self._membership_changes,
+            purged_workers=list(self._purged),
+        )
 
     def _pool(self, name: str) -> _Pool:
         p = self.pools.get(name)

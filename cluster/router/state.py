@@ -23,6 +23,7 @@ values older than `report_ttl_s` are ignored (the worker may be stuck).
 
 Not thread-safe: one event loop owns a ClusterState.
 """
+
 from __future__ import annotations
 
 import time
@@ -37,6 +38,7 @@ WorkerId = Hashable
 @dataclass(frozen=True)
 class RouterConfig:
     """Routing knobs; defaults follow SGLang's router."""
+
     cache_threshold: float = 0.5
     """cache_aware: route to the best-matching worker only if matched/len(prompt) > this."""
     balance_abs_threshold: float = 32.0
@@ -67,6 +69,7 @@ class RouterConfig:
 @dataclass
 class WorkerState:
     """One worker as the router sees it."""
+
     worker_id: WorkerId
     tree: ApproximateTree
     in_flight: int = 0
@@ -111,8 +114,7 @@ class MembershipChange:
 class ClusterState:
     """Workers by id, in join order (policies break ties by that order)."""
 
-    def __init__(self, config: Optional[RouterConfig] = None,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(self, config: Optional[RouterConfig] = None, clock: Callable[[], float] = time.monotonic):
         self.config = config or RouterConfig()
         self.clock = clock
         self.workers: Dict[WorkerId, WorkerState] = {}
@@ -175,8 +177,7 @@ class ClusterState:
         if worker is not None and worker.in_flight > 0:
             worker.in_flight -= 1
 
-    def on_report(self, worker_id: WorkerId, queue_len: int, kv_usage: float,
-                  events: Iterable = ()) -> bool:
+    def on_report(self, worker_id: WorkerId, queue_len: int, kv_usage: float, events: Iterable = ()) -> bool:
         """Take a worker's report; `events` are its CacheEvents in the order it drained them.
 
         Returns False (and changes nothing) for an unknown worker.
@@ -212,8 +213,18 @@ class ClusterState:
         return self.workers[worker_id].tree.match(tokens)
 
     def stats(self) -> Dict[WorkerId, WorkerStats]:
-        return {w: WorkerStats(
-            worker_id=w, tree_tokens=s.tree.size(), tree_nodes=s.tree.num_nodes(),
-            routed_requests=s.routed_requests, routed_tokens=s.routed_tokens,
-            matched_tokens=s.matched_tokens, in_flight=s.in_flight, queue_len=s.queue_len,
-            kv_usage=s.kv_usage, load=self.load(w)) for w, s in self.workers.items()}
+        return {
+            w: WorkerStats(
+                worker_id=w,
+                tree_tokens=s.tree.size(),
+                tree_nodes=s.tree.num_nodes(),
+                routed_requests=s.routed_requests,
+                routed_tokens=s.routed_tokens,
+                matched_tokens=s.matched_tokens,
+                in_flight=s.in_flight,
+                queue_len=s.queue_len,
+                kv_usage=s.kv_usage,
+                load=self.load(w),
+            )
+            for w, s in self.workers.items()
+        }

@@ -29,6 +29,7 @@ that tick; every leaf always has one valid entry.
 
 Not thread-safe: one event loop (the router replica) owns a tree.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -58,7 +59,7 @@ def _common_prefix_len(key: Tokens, tokens: Tokens, pos: int) -> int:
     limit = min(len(key), len(tokens) - pos)
     i = 1
     for step in (64, 16, 4, 1):  # C-level slice compares, coarse to fine
-        while i + step <= limit and key[i:i + step] == tokens[pos + i:pos + i + step]:
+        while i + step <= limit and key[i : i + step] == tokens[pos + i : pos + i + step]:
             i += step
     return i
 
@@ -108,7 +109,7 @@ class ApproximateTree:
             if child is None:
                 break
             key = child.key
-            if tokens[pos:pos + len(key)] == key:
+            if tokens[pos : pos + len(key)] == key:
                 pos += len(key)
                 node = child
                 continue
@@ -141,7 +142,7 @@ class ApproximateTree:
             if child is None:
                 break
             key = child.key
-            if tokens[pos:pos + len(key)] == key:
+            if tokens[pos : pos + len(key)] == key:
                 step = len(key)
             else:
                 step = _common_prefix_len(key, tokens, pos)
@@ -185,7 +186,7 @@ class ApproximateTree:
             if child is None:
                 return 0
             span = min(len(child.key), end - pos)
-            if child.key[:span] != tokens[pos:pos + span]:
+            if child.key[:span] != tokens[pos : pos + span]:
                 return 0
             node, start, pos = child, pos, pos + span
         before = self._size

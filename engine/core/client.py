@@ -15,6 +15,7 @@ Contract:
 - `dead` is set once the core is gone; `on_dead(error)` is then called once (any thread), after the
   outputs the core sent last: the front end fails whatever is still open.
 """
+
 from __future__ import annotations
 
 import abc

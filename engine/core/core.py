@@ -13,6 +13,7 @@ Grammars (structured output) are compiled on a worker thread: a group waits in `
 its grammar is ready (or fails its choices with the compile error), so a slow schema never stalls
 the running batch.
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,8 +23,16 @@ from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
 
 from engine.config import EngineConfig
-from engine.core.messages import (AbortRequest, AddRequest, CallResult, CompleteImport, CoreCall, CoreInfo,
-                                  ReleaseExport, StepOutputs)
+from engine.core.messages import (
+    AbortRequest,
+    AddRequest,
+    CallResult,
+    CompleteImport,
+    CoreCall,
+    CoreInfo,
+    ReleaseExport,
+    StepOutputs,
+)
 from engine.errors import EngineDeadError, InvalidConfigError, InvalidRequestError, QueueFullError
 from engine.memory.kv_cache_manager import KVCacheManager
 from engine.memory.radix_cache import RadixCache
@@ -43,6 +52,7 @@ IDLE_POLL_S = 0.005
 @dataclass
 class _Compiling:
     """A group whose grammar is being compiled."""
+
     reqs: List[Req]
     future: "Future[Any]"
 
@@ -55,8 +65,10 @@ class EngineCore:
         self.config = config
         self.runner = ModelRunner(config, source)
         if tokenizer is not None and len(tokenizer.hf) > self.runner.vocab_size:
-            raise InvalidConfigError(f"the tokenizer has {len(tokenizer.hf)} tokens, more than the model's "
-                                     f"vocabulary ({self.runner.vocab_size}): give a matching `tokenizer`")
+            raise InvalidConfigError(
+                f"the tokenizer has {len(tokenizer.hf)} tokens, more than the model's "
+                f"vocabulary ({self.runner.vocab_size}): give a matching `tokenizer`"
+            )
         self._init_tokens(tokenizer)
         self._init_scheduler()
         self._outputs: List[ReqOutput] = []
@@ -75,18 +87,25 @@ class EngineCore:
 
     def _init_scheduler(self) -> None:
         r, c = self.runner, self.config
-        self.tree_cache = RadixCache(r.allocator, page_size=c.page_size, disable=c.disable_radix_cache,
-                                     enable_events=c.enable_cache_events)
-        self.kv = KVCacheManager(r.req_to_token_pool, r.allocator, self.tree_cache, c.page_size,
-                                 c.disable_radix_cache)
+        self.tree_cache = RadixCache(
+            r.allocator, page_size=c.page_size, disable=c.disable_radix_cache, enable_events=c.enable_cache_events
+        )
+        self.kv = KVCacheManager(r.req_to_token_pool, r.allocator, self.tree_cache, c.page_size, c.disable_radix_cache)
         self.scheduler = Scheduler(r, self.kv, c, r.context_len)
 
     def info(self) -> CoreInfo:
         r = self.runner
-        return CoreInfo(vocab_size=r.vocab_size, context_len=r.context_len, kv_capacity_tokens=r.allocator.size,
-                        page_size=self.config.page_size, eos_token_ids=frozenset(self.eos_token_ids),
-                        device=str(r.device), attention_backend=r.attn_backend_name,
-                        cuda_graphs=r.graph_runner is not None, pid=os.getpid())
+        return CoreInfo(
+            vocab_size=r.vocab_size,
+            context_len=r.context_len,
+            kv_capacity_tokens=r.allocator.size,
+            page_size=self.config.page_size,
+            eos_token_ids=frozenset(self.eos_token_ids),
+            device=str(r.device),
+            attention_backend=r.attn_backend_name,
+            cuda_graphs=r.graph_runner is not None,
+            pid=os.getpid(),
+        )
 
     # ---- the loop ------------------------------------------------------------------------
     def run(self, receive: Callable[[Optional[float]], List[Any]], send: Callable[[Any], None]) -> None:
@@ -162,8 +181,10 @@ class EngineCore:
             self._enqueue(reqs)
             return
         if self.grammar is None:
-            self._fail(reqs, InvalidRequestError("structured output needs a tokenizer (skip_tokenizer_init)",
-                                                 param="json_schema"))
+            self._fail(
+                reqs,
+                InvalidRequestError("structured output needs a tokenizer (skip_tokenizer_init)", param="json_schema"),
+            )
             return
         if self._compile_pool is None:
             self._compile_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
@@ -173,10 +194,18 @@ class EngineCore:
         """The n requests of one prompt. Choices 1..n-1 wait until choice 0 has cached the prompt."""
         n, reqs = msg.params.n, []
         for i in range(n):
-            reqs.append(Req(
-                rid=msg.rid if n == 1 else f"{msg.rid}#{i}", input_ids=msg.input_ids, params=msg.params,
-                seed=msg.seed + i, eos_token_ids=self.eos_token_ids, on_output=self._collect,
-                wait_for=reqs[0] if i and not self.config.disable_radix_cache else None, handoff=msg.handoff))
+            reqs.append(
+                Req(
+                    rid=msg.rid if n == 1 else f"{msg.rid}#{i}",
+                    input_ids=msg.input_ids,
+                    params=msg.params,
+                    seed=msg.seed + i,
+                    eos_token_ids=self.eos_token_ids,
+                    on_output=self._collect,
+                    wait_for=reqs[0] if i and not self.config.disable_radix_cache else None,
+                    handoff=msg.handoff,
+                )
+            )
         return reqs
 
     def _enqueue(self, reqs: List[Req]) -> None:
@@ -207,8 +236,9 @@ class EngineCore:
         for req in reqs:
             if error is None:
                 req.finish_reason = FinishReason.ABORT
-            self._outputs.append(ReqOutput(req.rid, [], [], req.finish_reason, None, len(req.origin_input_ids), 0, 0,
-                                           error=error))
+            self._outputs.append(
+                ReqOutput(req.rid, [], [], req.finish_reason, None, len(req.origin_input_ids), 0, 0, error=error)
+            )
 
     # ---- calls (CoreCall.method → call_<method>) ------------------------------------------
     def call_stats(self) -> dict:
@@ -234,8 +264,19 @@ class EngineCore:
         self._outputs.clear()
         for req in reqs:
             if not req.finished:
-                self._outputs.append(ReqOutput(req.rid, [], [], None, None, len(req.origin_input_ids),
-                                               req.cached_tokens, len(req.output_ids), error=err))
+                self._outputs.append(
+                    ReqOutput(
+                        req.rid,
+                        [],
+                        [],
+                        None,
+                        None,
+                        len(req.origin_input_ids),
+                        req.cached_tokens,
+                        len(req.output_ids),
+                        error=err,
+                    )
+                )
         return self.take_outputs()
 
     def close(self) -> None:

@@ -4,6 +4,7 @@ The core is built in the caller's thread (model load), then its loop runs on the
 which also calls `on_outputs` with each step's outputs. Messages reach it through a SimpleQueue. Tests
 may run a function inside the loop between two steps (`run_in_loop`) to look at the scheduler.
 """
+
 from __future__ import annotations
 
 import logging

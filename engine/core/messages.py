@@ -7,6 +7,7 @@ Plain picklable data: the same objects travel through a queue (core in a thread 
 a ZMQ socket (core in its own process). Per-token traffic is only StepOutputs: one message per
 scheduler step for all requests, never one per request.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from engine.sampling_params import SamplingParams
 @dataclass(frozen=True)
 class AddRequest:
     """A prompt with `params.n` choices (engine rids `rid`, or `rid#i` when n > 1)."""
+
     rid: str
     input_ids: List[int]
     """Validated: non-empty, in the vocabulary, shorter than the context and the KV pool."""
@@ -32,12 +34,14 @@ class AddRequest:
 @dataclass(frozen=True)
 class AbortRequest:
     """Abort engine request `rid` (every choice of it when it names a group); its pages are freed."""
+
     rid: str
 
 
 @dataclass(frozen=True)
 class CompleteImport:
     """Decode side: the prompt's KV of `rid` landed; `handoff` is the prefill side's PrefillHandoff."""
+
     rid: str
     handoff: Any
 
@@ -45,12 +49,14 @@ class CompleteImport:
 @dataclass(frozen=True)
 class ReleaseExport:
     """Prefill side: the transfer of `rid` is over; its held pages go to the radix cache."""
+
     rid: str
 
 
 @dataclass(frozen=True)
 class CoreCall:
     """Run EngineCore.<method>(*args) between steps and answer with a CallResult of the same id."""
+
     call_id: int
     method: str
     args: tuple = ()
@@ -64,6 +70,7 @@ class Shutdown:
 @dataclass(frozen=True)
 class CoreInfo:
     """What the front end needs to validate requests; sent once, when the core is ready."""
+
     vocab_size: int
     """Valid token ids are [0, vocab_size) (the model's logits width)."""
     context_len: int
@@ -81,6 +88,7 @@ class CoreInfo:
 @dataclass
 class StepOutputs:
     """Everything one step (or one inbox drain) produced, for every request that had news."""
+
     outputs: List[ReqOutput] = field(default_factory=list)
 
 
@@ -94,4 +102,5 @@ class CallResult:
 @dataclass(frozen=True)
 class CoreFailed:
     """The core could not start, or its loop died: every request is over. Sent last."""
+
     error: BaseException

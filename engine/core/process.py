@@ -23,6 +23,7 @@ at a time; pyzmq sockets are not thread-safe, so sends take a lock too.
 Death: a monitor thread waits for the child to exit. An unexpected exit (crash, OOM kill) fails every
 pending call and, through on_dead, every open request with EngineDeadError.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -56,6 +57,7 @@ _POLL_MS = 50
 @dataclass(frozen=True)
 class CoreSpec:
     """What the core process is started with (pickled on its stdin)."""
+
     config: EngineConfig
     parent_pid: int
     log_level: int
@@ -84,8 +86,13 @@ def _portable(error: BaseException) -> BaseException:
 
 
 class ProcessCore(CoreClient):
-    def __init__(self, config: EngineConfig, on_outputs: OutputsCallback, on_dead: DeadCallback,
-                 start_timeout_s: float = START_TIMEOUT_S):
+    def __init__(
+        self,
+        config: EngineConfig,
+        on_outputs: OutputsCallback,
+        on_dead: DeadCallback,
+        start_timeout_s: float = START_TIMEOUT_S,
+    ):
         import zmq
 
         super().__init__(on_outputs, on_dead)
@@ -119,8 +126,9 @@ class ProcessCore(CoreClient):
         env = dict(os.environ)
         # The child imports this package from wherever the parent did (a Ray worker's working dir too).
         env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
-        proc = subprocess.Popen([sys.executable, "-m", "engine.core.process", self._base], stdin=subprocess.PIPE,
-                                env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "engine.core.process", self._base], stdin=subprocess.PIPE, env=env
+        )
         spec = CoreSpec(config, os.getpid(), logging.getLogger().getEffectiveLevel())
         proc.stdin.write(_dumps(spec))
         proc.stdin.close()
@@ -138,8 +146,10 @@ class ProcessCore(CoreClient):
                     raise msg.error
             if self._proc.poll() is not None:
                 self._close(kill=True)
-                raise EngineDeadError(f"the engine core process exited with code {self._proc.returncode} "
-                                      "before it was ready (its log is above)")
+                raise EngineDeadError(
+                    f"the engine core process exited with code {self._proc.returncode} "
+                    "before it was ready (its log is above)"
+                )
         self._close(kill=True)
         raise EngineDeadError(f"the engine core did not start within {timeout_s:.0f} s")
 
@@ -192,8 +202,12 @@ class ProcessCore(CoreClient):
     def _reader_elsewhere(self) -> bool:
         """True when an attached event loop on another thread reads the socket."""
         loop = self._loop
-        return (loop is not None and not loop.is_closed() and loop.is_running()
-                and self._loop_thread != threading.get_ident())
+        return (
+            loop is not None
+            and not loop.is_closed()
+            and loop.is_running()
+            and self._loop_thread != threading.get_ident()
+        )
 
     def wait(self, event: threading.Event, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -228,7 +242,8 @@ class ProcessCore(CoreClient):
     def _watch(self) -> None:
         code = self._proc.wait()
         error = self._failure or EngineDeadError(
-            "the engine was shut down" if self._stopping else f"the engine core process exited with code {code}")
+            "the engine was shut down" if self._stopping else f"the engine core process exited with code {code}"
+        )
         if not self._stopping:
             logger.error("engine core process %d exited (code %s): %r", self._proc.pid, code, error)
         loop = self._loop
@@ -259,8 +274,9 @@ class ProcessCore(CoreClient):
         try:
             self._proc.wait(timeout=SHUTDOWN_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            logger.warning("engine core process %d did not stop in %.0f s: killing it", self._proc.pid,
-                           SHUTDOWN_TIMEOUT_S)
+            logger.warning(
+                "engine core process %d did not stop in %.0f s: killing it", self._proc.pid, SHUTDOWN_TIMEOUT_S
+            )
             self._proc.kill()
             self._proc.wait()
         self._monitor.join(timeout=5)
@@ -272,8 +288,12 @@ class ProcessCore(CoreClient):
             self._proc.kill()
             self._proc.wait()
         loop = self._loop
-        if (loop is not None and not loop.is_closed() and loop.is_running()
-                and self._loop_thread != threading.get_ident()):
+        if (
+            loop is not None
+            and not loop.is_closed()
+            and loop.is_running()
+            and self._loop_thread != threading.get_ident()
+        ):
             try:
                 loop.call_soon_threadsafe(self._close_sockets)
                 return
@@ -313,8 +333,9 @@ def main(argv: List[str]) -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     spec: CoreSpec = pickle.load(sys.stdin.buffer)
-    logging.basicConfig(level=spec.log_level,
-                        format="%(asctime)s %(levelname)s engine-core[%(process)d] %(name)s: %(message)s")
+    logging.basicConfig(
+        level=spec.log_level, format="%(asctime)s %(levelname)s engine-core[%(process)d] %(name)s: %(message)s"
+    )
     threading.Thread(target=_exit_with_parent, args=(spec.parent_pid,), daemon=True).start()
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
@@ -369,8 +390,11 @@ def _build_core(config: EngineConfig) -> Any:
     from engine.tokenizer import load_tokenizer
 
     source = resolve_model(config.model)
-    tokenizer = None if config.skip_tokenizer_init else load_tokenizer(
-        resolve_model(config.tokenizer) if config.tokenizer else source)
+    tokenizer = (
+        None
+        if config.skip_tokenizer_init
+        else load_tokenizer(resolve_model(config.tokenizer) if config.tokenizer else source)
+    )
     return EngineCore(config, source, tokenizer)
 
 

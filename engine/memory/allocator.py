@@ -14,6 +14,7 @@ separate list that is merged back, sorted, only when the stack runs short (as
 SGLang does). So the pages of one allocation are mostly consecutive, which lets a
 KV handoff move them as few long runs (one transfer region per run).
 """
+
 from __future__ import annotations
 
 from typing import List, Optional
@@ -90,7 +91,7 @@ class TokenToKVPoolAllocator:
                 parts.append(torch.arange(last_locs[i] + 1, last_locs[i] + 1 + in_page[i], dtype=torch.int64))
             rest = s - p - in_page[i]
             if rest:
-                mine = pages[cursor:cursor + new_pages[i]]
+                mine = pages[cursor : cursor + new_pages[i]]
                 parts.append((mine[:, None] * ps + offsets).flatten()[:rest])
                 cursor += new_pages[i]
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)

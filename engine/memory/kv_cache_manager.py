@@ -13,6 +13,7 @@ holds at every step (tests check it via `engine.stats()`).
 Every slot index this module handles is a host tensor (allocator, radix cache, the host copy of the
 request → slot table), so planning, caching and freeing never wait for the device.
 """
+
 from __future__ import annotations
 
 from typing import List, Optional
@@ -26,8 +27,14 @@ from engine.request import Req
 
 
 class KVCacheManager:
-    def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, tree: RadixCache,
-                 page_size: int, disable_radix_cache: bool):
+    def __init__(
+        self,
+        req_to_token_pool: ReqToTokenPool,
+        allocator: TokenToKVPoolAllocator,
+        tree: RadixCache,
+        page_size: int,
+        disable_radix_cache: bool,
+    ):
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
         self.tree = tree
@@ -58,7 +65,7 @@ class KVCacheManager:
         """The tokens whose cached KV `req` may reuse: all but the last (which must be computed for its
         logits), or none while prompt logprobs are owed (they need the logits of every prompt position)."""
         ids = req.fill_ids
-        return [] if req.needs_prompt_logprobs else ids[:len(ids) - 1]
+        return [] if req.needs_prompt_logprobs else ids[: len(ids) - 1]
 
     def match(self, req: Req) -> int:
         """Longest cached prefix of the request's fill_ids that it may reuse."""
@@ -98,7 +105,7 @@ class KVCacheManager:
             return None
         start = 0
         for r in reqs:
-            self.req_to_token_pool.write(r.req_pool_idx, r.kv_len, out[start:start + r.extend_len])
+            self.req_to_token_pool.write(r.req_pool_idx, r.kv_len, out[start : start + r.extend_len])
             start += r.extend_len
         return out
 
@@ -121,7 +128,7 @@ class KVCacheManager:
         slots = self.req_to_token_pool.read(req.req_pool_idx, aligned)
         already = self.tree.insert(req.fill_ids[:aligned], slots)
         if already > req.prefix_len:
-            self.allocator.free(slots[req.prefix_len:already])
+            self.allocator.free(slots[req.prefix_len : already])
         return aligned
 
     def cache_unfinished(self, req: Req) -> None:

@@ -10,13 +10,13 @@ whose slot stride is num_layers * 2 * num_kv_heads * head_dim elements (the last
 every attention backend indexes them by slot exactly as it would index per-layer tensors.
 
 Why token-major: a run of consecutive slots is ONE contiguous byte range across all layers, so a KV handoff
-(cluster/kv_transfer) moves it as one region instead of 2 × num_layers regions (measured on 2× H200, 64 MiB:
-per-layer buffers in runs of 8 pages, 256 regions, ran at 14% of the GPU0→GPU1 copy; this layout, one region,
-at 81–85% (best of 30–50), and 93–97% at 256 MiB; bench_kv_transfer's "nixl alone" row measures NIXL's own sequence beside ours).
+(cluster/kv_transfer) moves it as one region instead of 2 × num_layers regions, which the transfer engines
+move far faster (benchmarks/README.md, KV transfer).
 
 Slots [0, page_size) (page 0) are never handed out: they absorb writes of padded tokens (CUDA-graph padding)
 so real pages stay intact.
 """
+
 from __future__ import annotations
 
 from typing import List
@@ -25,8 +25,15 @@ import torch
 
 
 class KVPool:
-    def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        num_slots: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         self.num_slots = num_slots
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads

@@ -34,6 +34,7 @@ router can replay them onto its approximate copy of the tree. Splits change no
 content and emit nothing. Events accumulate until `drain_events` is called;
 the owner must drain them regularly or pass enable_events=False.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -51,8 +52,14 @@ class TreeNode:
 
     __slots__ = ("id", "key", "value", "parent", "children", "lock_ref", "last_access_time")
 
-    def __init__(self, node_id: int, key: List[int], value: Optional[torch.Tensor],
-                 parent: Optional["TreeNode"], last_access_time: int):
+    def __init__(
+        self,
+        node_id: int,
+        key: List[int],
+        value: Optional[torch.Tensor],
+        parent: Optional["TreeNode"],
+        last_access_time: int,
+    ):
         self.id = node_id
         self.key = key
         """Token ids of this run; len is a positive multiple of page_size (empty for the root)."""
@@ -86,6 +93,7 @@ class CacheEvent:
     evict: the last `num_tokens` tokens of `token_ids` are no longer cached; evicted nodes are
     leaves, so nothing below them was cached either.
     """
+
     kind: Literal["insert", "evict"]
     token_ids: Tuple[int, ...]
     """The full key path from the root to the end of the affected node."""
@@ -95,6 +103,7 @@ class CacheEvent:
 @dataclass
 class CacheStats:
     """Cumulative hit counters over `match_prefix` calls (not cleared by `reset`)."""
+
     queried_tokens: int = 0
     matched_tokens: int = 0
 
@@ -144,7 +153,7 @@ class RadixCache:
             self.stats.queried_tokens += len(key)
         if self.disable:
             return MatchResult(self._empty, self.root, 0)
-        node, values, offset = self._walk(key[:len(key) - len(key) % self.page_size])
+        node, values, offset = self._walk(key[: len(key) - len(key) % self.page_size])
         if record_stats:
             self.stats.matched_tokens += offset
         indices = torch.cat(values) if values else self._empty
@@ -229,8 +238,7 @@ class RadixCache:
         """
         if self.disable or num_tokens <= 0:
             return 0
-        heap = [(n.last_access_time, n.id, n) for n in self._iter_nodes()
-                if not n.children and n.lock_ref == 0]
+        heap = [(n.last_access_time, n.id, n) for n in self._iter_nodes() if not n.children and n.lock_ref == 0]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
@@ -279,15 +287,15 @@ class RadixCache:
     def _child_key(self, key: Sequence[int], offset: int) -> ChildKey:
         if self.page_size == 1:
             return key[offset]
-        return tuple(key[offset:offset + self.page_size])
+        return tuple(key[offset : offset + self.page_size])
 
     def _match_len(self, node_key: List[int], key: List[int], offset: int) -> int:
         """Tokens of node_key equal to key[offset:], rounded down to whole pages."""
         n = min(len(node_key), len(key) - offset)
-        if node_key[:n] == key[offset:offset + n]:
+        if node_key[:n] == key[offset : offset + n]:
             return n - n % self.page_size
         ps, i = self.page_size, 0
-        while i + ps <= n and node_key[i:i + ps] == key[offset + i:offset + i + ps]:
+        while i + ps <= n and node_key[i : i + ps] == key[offset + i : offset + i + ps]:
             i += ps
         return i
 
@@ -298,8 +306,9 @@ class RadixCache:
         (including locks held on `child` itself) stay valid.
         """
         parent = child.parent
-        top = TreeNode(next(self._node_ids), child.key[:split_len], child.value[:split_len],
-                       parent, child.last_access_time)
+        top = TreeNode(
+            next(self._node_ids), child.key[:split_len], child.value[:split_len], parent, child.last_access_time
+        )
         top.lock_ref = child.lock_ref
         parent.children[self._child_key(top.key, 0)] = top
         child.key = child.key[split_len:]

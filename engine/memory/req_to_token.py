@@ -4,6 +4,7 @@ req_to_token[r, p] is the KV slot holding position p of the request in row r,
 valid for p < that request's kv_len. Rows are handed out per running request
 and returned when it finishes, is retracted or aborted.
 """
+
 from __future__ import annotations
 
 from typing import List
@@ -19,8 +20,11 @@ class ReqToTokenPool:
         self.max_context_len = max_context_len
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=device)
         """(size, max_context_len) int32, device: what the attention kernels read."""
-        self.host = self.req_to_token if self.req_to_token.device.type == "cpu" else torch.zeros(
-            (size, max_context_len), dtype=torch.int32)
+        self.host = (
+            self.req_to_token
+            if self.req_to_token.device.type == "cpu"
+            else torch.zeros((size, max_context_len), dtype=torch.int32)
+        )
         """The same table on the host, written together with it: what the scheduler reads. Reading the
         device table would make the host wait for the batch in flight (overlap scheduling)."""
         self._free_rows: List[int] = list(range(size - 1, -1, -1))

@@ -12,6 +12,7 @@ kernel module is imported on first CUDA use, so CPU installs never import triton
 `Linear` runs a one-row product (a batch-1 decode step, or the last row's logits)
 with kernels/triton/gemv.py on CUDA, every other product with F.linear.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -45,12 +46,18 @@ def gemv_applies(module: nn.Module, x: torch.Tensor) -> bool:
     (a request's tokens do not depend on which others share its batch); a kernel for one row only would
     make a request's last steps, decoded alone, round differently from its earlier ones.
     """
-    return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
-            and getattr(module, "use_gemv", True))
+    return (
+        x.is_cuda
+        and x.dim() == 2
+        and x.shape[0] == 1
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and getattr(module, "use_gemv", True)
+    )
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-         out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None
+) -> torch.Tensor:
     """x (1, K) @ weight (N, K)^T (+ bias) -> (1, N) with kernels/triton/gemv.py (CUDA only)."""
     from kernels.triton.gemv import gemv as gemv_kernel  # noqa: PLC0415  (imports triton: GPU path only)
 
@@ -118,8 +125,10 @@ def _rope_init_fn(rope_type: str):
     if rope_type == "default":
         # transformers keeps the unscaled formula on each model's rotary class, not in ROPE_INIT_FUNCTIONS.
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
         return lambda config, device: LlamaRotaryEmbedding.compute_default_rope_parameters(config)
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     if rope_type in _DYNAMIC_ROPE_TYPES or rope_type not in ROPE_INIT_FUNCTIONS:
         supported = ["default"] + [t for t in ROPE_INIT_FUNCTIONS if t not in _DYNAMIC_ROPE_TYPES]
         raise UnsupportedModelError(f"rope type {rope_type!r} is not supported; supported: {', '.join(supported)}")
@@ -158,8 +167,9 @@ class RotaryEmbedding(nn.Module):
         self.attention_scaling = float(scaling)
         self.rotary_dim = 2 * self.inv_freq.numel()
         if self.rotary_dim != head_dim:
-            raise UnsupportedModelError(f"partial rotary embeddings (rotary dim {self.rotary_dim} != head_dim "
-                                        f"{head_dim}) are not supported")
+            raise UnsupportedModelError(
+                f"partial rotary embeddings (rotary dim {self.rotary_dim} != head_dim {head_dim}) are not supported"
+            )
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
         """positions (T,) int64 -> cos, sin: (T, 1, head_dim) in `dtype`, broadcastable over heads."""
@@ -179,8 +189,9 @@ class RotaryEmbedding(nn.Module):
         return x * cos + rotated * sin
 
     @staticmethod
-    def apply_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def apply_qk(
+        q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
         """q (T, H, D) and k (T, Hkv, D) rotated by cos/sin from `cos_sin`: one fused launch on CUDA
         (new contiguous tensors), two `apply` calls elsewhere."""
         fused = _fused(q)

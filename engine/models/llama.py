@@ -12,6 +12,7 @@ rows, one matmul each. `load_weights` maps HF names onto those slices.
 Sliding-window attention (Mistral v0.1, Qwen2 with use_sliding_window) is not
 applied: contexts must stay within `sliding_window` for HF-identical outputs.
 """
+
 from __future__ import annotations
 
 from typing import Dict, Iterable, Optional, Set, Tuple
@@ -27,8 +28,11 @@ from engine.models.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul, g
 
 # HF projection name -> (fused parameter name, shard id)
 _STACKED: Dict[str, Tuple[str, str]] = {
-    "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
 }
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
@@ -59,8 +63,11 @@ class LlamaAttention(nn.Module):
 
     def shard_rows(self, shard: str) -> Tuple[int, int]:
         """Row range [start, end) of shard 'q' | 'k' | 'v' inside qkv_proj."""
-        return {"q": (0, self.q_size), "k": (self.q_size, self.q_size + self.kv_size),
-                "v": (self.q_size + self.kv_size, self.q_size + 2 * self.kv_size)}[shard]
+        return {
+            "q": (0, self.q_size),
+            "k": (self.q_size, self.q_size + self.kv_size),
+            "v": (self.q_size + self.kv_size, self.q_size + 2 * self.kv_size),
+        }[shard]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x (T, hidden); cos/sin (T, 1, head_dim) -> (T, hidden)."""
@@ -107,8 +114,14 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-                batch: ForwardBatch) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: Optional[torch.Tensor],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
         """x, residual (T, hidden) -> (mlp output, residual); the layer's output is their sum."""
         x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, cos, sin, batch)
@@ -169,7 +182,7 @@ class LlamaForCausalLM(nn.Module):
     @property
     def attn_scale(self) -> float:
         """Softmax scale the attention backend must use: head_dim ** -0.5."""
-        return self.head_dim ** -0.5
+        return self.head_dim**-0.5
 
     @property
     def sliding_window(self) -> Optional[int]:
@@ -214,10 +227,11 @@ class LlamaForCausalLM(nn.Module):
             if name.endswith(_IGNORED_SUFFIXES) or (self.tie_word_embeddings and name == "lm_head.weight"):
                 continue
             target, rows = self._locate(name, params)
-            dst = target if rows is None else target[rows[0]:rows[1]]
+            dst = target if rows is None else target[rows[0] : rows[1]]
             if tuple(dst.shape) != tuple(tensor.shape):
-                raise UnsupportedModelError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
-                                            f"expected {tuple(dst.shape)}")
+                raise UnsupportedModelError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
+                )
             dst.copy_(tensor)
             loaded.add(name)
         missing = self.expected_weight_names() - loaded
@@ -234,5 +248,4 @@ class LlamaForCausalLM(nn.Module):
                 if fused_name in params:
                     owner = self.get_submodule(fused_name.rsplit(".", 2)[0])
                     return params[fused_name], owner.shard_rows(shard)
-        raise UnsupportedModelError(f"unexpected weight {name!r} for {type(self).__name__} "
-                                    f"({self.config.model_type})")
+        raise UnsupportedModelError(f"unexpected weight {name!r} for {type(self).__name__} ({self.config.model_type})")

@@ -1,12 +1,13 @@
 """Model loading: ModelSource -> HF config -> our model class -> weights on the device.
 
-    load_config(source)                          config.json, or the GGUF file's metadata
-    load_model(source, config, format, ...)      build on meta, materialize on `device` in `dtype`, then
-        "safetensors": stream every tensor of *.safetensors (sharded via model.safetensors.index.json)
-        "gguf":        dequantized tensors from transformers' GGUF loader (HF names, q/k un-permuted)
-        "dummy":       seeded random weights with the real shapes; no weight file is read
-        "auto":        "gguf" for a GGUF source, else "safetensors"
+load_config(source)                          config.json, or the GGUF file's metadata
+load_model(source, config, format, ...)      build on meta, materialize on `device` in `dtype`, then
+    "safetensors": stream every tensor of *.safetensors (sharded via model.safetensors.index.json)
+    "gguf":        dequantized tensors from transformers' GGUF loader (HF names, q/k un-permuted)
+    "dummy":       seeded random weights with the real shapes; no weight file is read
+    "auto":        "gguf" for a GGUF source, else "safetensors"
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -45,8 +46,14 @@ def load_config(source: ModelSource) -> PretrainedConfig:
         raise ModelNotFoundError(f"cannot read the config of model {source.name!r}: {e}") from e
 
 
-def load_model(source: ModelSource, config: PretrainedConfig, load_format: str, dtype: torch.dtype,
-               device: torch.device, seed: int = 0) -> nn.Module:
+def load_model(
+    source: ModelSource,
+    config: PretrainedConfig,
+    load_format: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+) -> nn.Module:
     """Build the model for `config` directly on `device` in `dtype`, fill its weights; eval mode, no grad."""
     fmt = _resolve_format(source, load_format)
     model_cls = get_model_class(config)
@@ -107,6 +114,7 @@ def safetensors_files(folder: str) -> List[str]:
 def _iter_safetensors(folder: str) -> Iterator[Tuple[str, torch.Tensor]]:
     """(HF name, CPU tensor) for every tensor of every shard, one tensor in memory at a time."""
     from safetensors import safe_open
+
     for path in safetensors_files(folder):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
@@ -117,11 +125,13 @@ def _iter_gguf(source: ModelSource, config: PretrainedConfig, dtype: torch.dtype
     """(HF name, dequantized CPU tensor); transformers maps GGUF names using an HF model built on meta."""
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(config)
     with cached_gguf_name_map():
-        tensors = load_gguf_checkpoint(source.gguf_path, return_tensors=True, model_to_load=hf_model,
-                                       torch_dtype=dtype)["tensors"]
+        tensors = load_gguf_checkpoint(
+            source.gguf_path, return_tensors=True, model_to_load=hf_model, torch_dtype=dtype
+        )["tensors"]
     while tensors:
         name = next(iter(tensors))
         yield name, tensors.pop(name)  # drop each tensor once copied
@@ -135,6 +145,7 @@ def cached_gguf_name_map():
     rebuilding the same table); it is a pure function of (arch, n_blocks).
     """
     import gguf
+
     original = gguf.get_tensor_name_map
     gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
     try:

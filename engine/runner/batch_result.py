@@ -8,6 +8,7 @@ Between the two the device may run more work: overlap scheduling (engine/schedul
 the next batch, whose decode inputs read `LaunchedBatch.next_token_ids` on the device, before resolving
 this one. On the CPU the copies are plain tensors and `resolve` does not wait.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -44,12 +45,19 @@ class LaunchedBatch:
     """Recorded after the copies were queued (CUDA only)."""
 
     @classmethod
-    def start(cls, next_token_ids: torch.Tensor, logprobs: Optional[torch.Tensor],
-              top_ids: Optional[torch.Tensor], top_vals: Optional[torch.Tensor], top_logprobs_nums: List[int],
-              prompt_logprobs: Dict[int, List[TokenLogprob]]) -> "LaunchedBatch":
+    def start(
+        cls,
+        next_token_ids: torch.Tensor,
+        logprobs: Optional[torch.Tensor],
+        top_ids: Optional[torch.Tensor],
+        top_vals: Optional[torch.Tensor],
+        top_logprobs_nums: List[int],
+        prompt_logprobs: Dict[int, List[TokenLogprob]],
+    ) -> "LaunchedBatch":
         """Queue the device→host copies of the sampler's outputs (non-blocking: into pinned memory on CUDA)."""
-        host = [None if t is None else t.to("cpu", non_blocking=True)
-                for t in (next_token_ids, logprobs, top_ids, top_vals)]
+        host = [
+            None if t is None else t.to("cpu", non_blocking=True) for t in (next_token_ids, logprobs, top_ids, top_vals)
+        ]
         event = None
         if next_token_ids.is_cuda:
             event = torch.cuda.Event()
@@ -59,8 +67,12 @@ class LaunchedBatch:
     @classmethod
     def empty(cls, device: torch.device, prompt_logprobs: Dict[int, List[TokenLogprob]]) -> "LaunchedBatch":
         """A batch that sampled nothing (only a chunk of a prompt)."""
-        return cls(torch.empty(0, dtype=torch.int64, device=device), [], prompt_logprobs,
-                   [torch.empty(0, dtype=torch.int64), None, None, None])
+        return cls(
+            torch.empty(0, dtype=torch.int64, device=device),
+            [],
+            prompt_logprobs,
+            [torch.empty(0, dtype=torch.int64), None, None, None],
+        )
 
     def resolve(self) -> BatchResult:
         """Wait for the host copies (the GPU→CPU sync of this batch) and return host lists."""
@@ -70,9 +82,15 @@ class LaunchedBatch:
         top = None
         if top_ids is not None:
             # Tokens a grammar forbids have logprob -inf: they are no candidates, so they are left out.
-            top = [[(t, v) for t, v in zip(ti[:k], tv[:k]) if v != float("-inf")]
-                   for ti, tv, k in zip(top_ids.tolist(), top_vals.tolist(), self.top_logprobs_nums)]
+            top = [
+                [(t, v) for t, v in zip(ti[:k], tv[:k]) if v != float("-inf")]
+                for ti, tv, k in zip(top_ids.tolist(), top_vals.tolist(), self.top_logprobs_nums)
+            ]
         elif logprobs is not None:
             top = [[] for _ in self.top_logprobs_nums]
-        return BatchResult(next_token_ids=ids.tolist(), logprobs=None if logprobs is None else logprobs.tolist(),
-                           top_logprobs=top, prompt_logprobs=self.prompt_logprobs)
+        return BatchResult(
+            next_token_ids=ids.tolist(),
+            logprobs=None if logprobs is None else logprobs.tolist(),
+            top_logprobs=top,
+            prompt_logprobs=self.prompt_logprobs,
+        )

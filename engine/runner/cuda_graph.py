@@ -17,6 +17,7 @@ same way with graphs on and off (see kernels/attention/triton.py).
 
 The returned logits live in the graph's static output buffer: they are valid until the next replay.
 """
+
 from __future__ import annotations
 
 import logging
@@ -68,17 +69,31 @@ class CudaGraphRunner:
         with torch.inference_mode():
             for bs in reversed(self.batch_sizes):  # largest first: smaller graphs reuse its memory pool
                 self._capture(bs)
-        logger.info("captured %d CUDA graphs (batch sizes %s) in %.1f s", len(self.graphs), self.batch_sizes,
-                    time.perf_counter() - start)
+        logger.info(
+            "captured %d CUDA graphs (batch sizes %s) in %.1f s",
+            len(self.graphs),
+            self.batch_sizes,
+            time.perf_counter() - start,
+        )
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         return ForwardBatch(
-            forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=self.input_ids[:bs],
-            positions=self.positions[:bs], out_cache_loc=self.out_cache_loc[:bs],
-            req_pool_indices=self.req_pool_indices[:bs], seq_lens=self.seq_lens[:bs],
-            extend_prefix_lens=self.prefix_lens[:bs], extend_seq_lens=self.extend_lens[:bs],
-            extend_start_loc=self.start_loc[:bs], seq_lens_cpu=[1] * bs, extend_prefix_lens_cpu=[0] * bs,
-            extend_seq_lens_cpu=[1] * bs, extend_start_loc_cpu=list(range(bs)), attn_backend=self.attn_backend)
+            forward_mode=ForwardMode.DECODE,
+            batch_size=bs,
+            input_ids=self.input_ids[:bs],
+            positions=self.positions[:bs],
+            out_cache_loc=self.out_cache_loc[:bs],
+            req_pool_indices=self.req_pool_indices[:bs],
+            seq_lens=self.seq_lens[:bs],
+            extend_prefix_lens=self.prefix_lens[:bs],
+            extend_seq_lens=self.extend_lens[:bs],
+            extend_start_loc=self.start_loc[:bs],
+            seq_lens_cpu=[1] * bs,
+            extend_prefix_lens_cpu=[0] * bs,
+            extend_seq_lens_cpu=[1] * bs,
+            extend_start_loc_cpu=list(range(bs)),
+            attn_backend=self.attn_backend,
+        )
 
     def _forward(self, fb: ForwardBatch) -> torch.Tensor:
         return self.model.compute_logits(self.model(fb))

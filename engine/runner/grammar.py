@@ -15,6 +15,7 @@ is re-accepted: the next sampled token is the next one the matcher sees.
 
 xgrammar is imported lazily (importing it takes seconds), on the first grammar request.
 """
+
 from __future__ import annotations
 
 import json
@@ -71,8 +72,14 @@ class GrammarCompiler:
     - Thread-safe.
     """
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
-                 cache_size: int = 256, max_threads: Optional[int] = None):
+    def __init__(
+        self,
+        hf_tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        cache_size: int = 256,
+        max_threads: Optional[int] = None,
+    ):
         self.hf_tokenizer = hf_tokenizer
         self.vocab_size = int(vocab_size)
         self.stop_token_ids = sorted(int(t) for t in stop_token_ids)
@@ -113,11 +120,13 @@ class GrammarCompiler:
                 import xgrammar as xgr  # noqa: PLC0415  (slow import: only once a grammar is used)
 
                 try:
-                    info = xgr.TokenizerInfo.from_huggingface(self.hf_tokenizer, vocab_size=self.vocab_size,
-                                                              stop_token_ids=self.stop_token_ids or None)
+                    info = xgr.TokenizerInfo.from_huggingface(
+                        self.hf_tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None
+                    )
                 except Exception as exc:  # noqa: BLE001 - reported to the caller as unsupported
-                    raise InvalidRequestError(f"structured output is not supported for this tokenizer: {exc}",
-                                              param=kind) from exc
+                    raise InvalidRequestError(
+                        f"structured output is not supported for this tokenizer: {exc}", param=kind
+                    ) from exc
                 self._compiler = xgr.GrammarCompiler(info, max_threads=self.max_threads)
             return self._compiler
 
@@ -181,8 +190,9 @@ class VocabMask:
         xgr.apply_token_bitmask_inplace(logits, self.bitmask, vocab_size=logits.shape[1], indices=self.rows)
 
 
-def build_vocab_mask(grammars: Sequence[Optional[GrammarState]], vocab_size: int,
-                     device: torch.device) -> Optional[VocabMask]:
+def build_vocab_mask(
+    grammars: Sequence[Optional[GrammarState]], vocab_size: int, device: torch.device
+) -> Optional[VocabMask]:
     """The VocabMask of a batch (row i = grammars[i]), or None when no row has a grammar.
 
     Filled on the CPU row by row (xgrammar's matchers are host objects; a fill costs a few µs

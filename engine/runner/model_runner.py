@@ -10,6 +10,7 @@ device memory left after the weights, an activation estimate and the share that
 On CUDA, DECODE batches replay captured CUDA graphs (engine/runner/cuda_graph.py)
 unless `disable_cuda_graph`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -70,15 +71,22 @@ class ModelRunner:
         self.model_config = load_config(self.source)
         free_before = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
         try:
-            self.model = load_model(self.source, self.model_config, self.config.load_format, self.dtype,
-                                    self.device, seed=self.config.random_seed)
+            self.model = load_model(
+                self.source,
+                self.model_config,
+                self.config.load_format,
+                self.dtype,
+                self.device,
+                seed=self.config.random_seed,
+            )
         except torch.cuda.OutOfMemoryError as exc:
             n = _param_count(self.model_config)
             size = n * torch.empty((), dtype=self.dtype).element_size()
             raise OutOfMemoryError(
                 f"the model's weights (~{n / 1e9:.2f} B parameters, ~{size / 2**30:.1f} GiB in {self.dtype}) do not "
                 f"fit on {self.device} ({free_before / 2**30:.1f} GiB free): use a GPU with more memory, a "
-                f"smaller dtype or a smaller model") from exc
+                f"smaller dtype or a smaller model"
+            ) from exc
         set_gemv(self.model, not self.config.disable_gemv)
         if self.device.type == "cuda":
             from kernels.triton import pdl  # noqa: PLC0415  (GPU path only)
@@ -107,12 +115,15 @@ class ModelRunner:
                 raise OutOfMemoryError(
                     f"after the weights, {self.device} has {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB; "
                     f"activations need ~{activations / 2**30:.1f} GiB and mem_fraction_static="
-                    f"{self.config.mem_fraction_static} keeps {(1 - self.config.mem_fraction_static) * total / 2**30:.1f}"
+                    f"{self.config.mem_fraction_static} keeps "
+                    f"{(1 - self.config.mem_fraction_static) * total / 2**30:.1f}"
                     f" GiB free, leaving room for {max(tokens, 0)} KV tokens ({bytes_per_token} bytes each), fewer "
                     f"than {need}: raise mem_fraction_static, lower max_prefill_tokens / chunked_prefill_size, "
-                    f"or use a smaller model or dtype")
+                    f"or use a smaller model or dtype"
+                )
             return tokens
         import psutil  # noqa: PLC0415  (CPU sizing only)
+
         budget = psutil.virtual_memory().available * (1 - self.config.mem_fraction_static)
         return int(min(budget // bytes_per_token, self.config.cpu_max_total_tokens))
 
@@ -124,8 +135,9 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.dtype).element_size()
         chunk = self.config.chunked_prefill_size
         tokens = max(self.config.max_prefill_tokens, chunk if chunk > 0 else 0)
-        per_token = ((m.num_heads + 2 * m.num_kv_heads) * m.head_dim + 6 * cfg.hidden_size
-                     + 3 * cfg.intermediate_size) * elem
+        per_token = (
+            (m.num_heads + 2 * m.num_kv_heads) * m.head_dim + 6 * cfg.hidden_size + 3 * cfg.intermediate_size
+        ) * elem
         logits = self.config.max_running_requests * self.vocab_size * 4 * 3
         return tokens * per_token + logits + GPU_FIXED_RESERVE
 
@@ -138,8 +150,13 @@ class ModelRunner:
         self.allocator = TokenToKVPoolAllocator(num_pages, ps)
         rows = self.config.max_running_requests + EXTRA_REQ_ROWS
         self.req_to_token_pool = ReqToTokenPool(rows, self.context_len + ps, self.device)
-        logger.info("KV pool: %d tokens (%d pages of %d), %.1f MiB", self.allocator.size, num_pages - 1, ps,
-                    num_pages * ps * bytes_per_token / 2**20)
+        logger.info(
+            "KV pool: %d tokens (%d pages of %d), %.1f MiB",
+            self.allocator.size,
+            num_pages - 1,
+            ps,
+            num_pages * ps * bytes_per_token / 2**20,
+        )
 
     def _resolve_backend_name(self) -> str:
         name = self.config.attention_backend
@@ -150,10 +167,12 @@ class ModelRunner:
         if self.dtype in (torch.float16, torch.bfloat16):
             try:
                 import flashinfer  # noqa: F401, PLC0415
+
                 return "flashinfer"
             except ImportError:
-                logger.warning("flashinfer is not installed (pip install 'radixserve[gpu]'): using the triton "
-                               "attention backend")
+                logger.warning(
+                    "flashinfer is not installed (pip install 'radixserve[gpu]'): using the triton attention backend"
+                )
         return "triton"
 
     def _init_attention_backend(self) -> None:
@@ -163,15 +182,16 @@ class ModelRunner:
         self.attn_backend_name = name
         m = self.model
         self.attn_backend = get_backend_class(name)(
-            self.req_to_token_pool.req_to_token, self.kv_pool, m.num_heads, m.num_kv_heads, m.head_dim,
-            m.head_dim ** -0.5)
+            self.req_to_token_pool.req_to_token, self.kv_pool, m.num_heads, m.num_kv_heads, m.head_dim, m.head_dim**-0.5
+        )
         self.graph_runner = None
         if self.device.type == "cuda" and not self.config.disable_cuda_graph and self.attn_backend.supports_cuda_graph:
             from engine.runner.cuda_graph import CudaGraphRunner  # noqa: PLC0415
 
             max_bs = self.config.cuda_graph_max_bs or min(self.config.max_running_requests, 256)
-            self.graph_runner = CudaGraphRunner(self.model, self.attn_backend, self.req_to_token_pool, max_bs,
-                                                self.device)
+            self.graph_runner = CudaGraphRunner(
+                self.model, self.attn_backend, self.req_to_token_pool, max_bs, self.device
+            )
 
     def run_batch(self, batch) -> BatchResult:
         """Forward `batch` (a prepared ScheduleBatch), sample its sampled requests, wait for the tokens."""
@@ -195,15 +215,26 @@ class ModelRunner:
             prompt_logprobs = self._prompt_logprobs(batch, hidden) if fb.forward_mode is ForwardMode.EXTEND else {}
             if not reqs:
                 return LaunchedBatch.empty(self.device, prompt_logprobs)
-            logits = self.model.compute_logits(hidden[fb.last_token_rows[:len(reqs)]])
+            logits = self.model.compute_logits(hidden[fb.last_token_rows[: len(reqs)]])
         info = SamplingBatchInfo.build(
-            [r.sampling_params for r in reqs], seeds=[r.seed for r in reqs],
+            [r.sampling_params for r in reqs],
+            seeds=[r.seed for r in reqs],
             steps=[len(r.output_ids) for r in reqs] if steps is None else steps,
-            output_ids=[r.output_ids for r in reqs], prompt_ids=[r.origin_input_ids for r in reqs],
-            vocab_size=self.vocab_size, device=self.device, grammars=[r.grammar for r in reqs])
+            output_ids=[r.output_ids for r in reqs],
+            prompt_ids=[r.origin_input_ids for r in reqs],
+            vocab_size=self.vocab_size,
+            device=self.device,
+            grammars=[r.grammar for r in reqs],
+        )
         out = self.sampler(logits, info)
-        return LaunchedBatch.start(out.next_token_ids, out.logprobs, out.top_logprob_ids, out.top_logprob_vals,
-                                   [r.sampling_params.top_logprobs for r in reqs], prompt_logprobs)
+        return LaunchedBatch.start(
+            out.next_token_ids,
+            out.logprobs,
+            out.top_logprob_ids,
+            out.top_logprob_vals,
+            [r.sampling_params.top_logprobs for r in reqs],
+            prompt_logprobs,
+        )
 
     def _prompt_logprobs(self, batch, hidden: torch.Tensor) -> Dict[int, List[TokenLogprob]]:
         """For requests owing prompt logprobs: the logprob of each prompt token whose predecessor's
@@ -220,15 +251,17 @@ class ModelRunner:
             n = min(req.extend_len, len(req.origin_input_ids) - 1 - first)
             if n <= 0:
                 continue
-            logp = torch.log_softmax(self.model.compute_logits(hidden[start:start + n]), dim=-1)
-            targets = torch.tensor(req.origin_input_ids[first + 1:first + 1 + n], device=logp.device)
+            logp = torch.log_softmax(self.model.compute_logits(hidden[start : start + n]), dim=-1)
+            targets = torch.tensor(req.origin_input_ids[first + 1 : first + 1 + n], device=logp.device)
             chosen = logp.gather(1, targets[:, None])[:, 0].tolist()
             k = req.sampling_params.prompt_logprobs
             top = logp.topk(k, dim=-1) if k else None
             top_ids = top.indices.tolist() if top is not None else [[] for _ in range(n)]
             top_vals = top.values.tolist() if top is not None else [[] for _ in range(n)]
-            result[i] = [TokenLogprob(int(t), lp, list(zip(ti, tv)))
-                         for t, lp, ti, tv in zip(targets.tolist(), chosen, top_ids, top_vals)]
+            result[i] = [
+                TokenLogprob(int(t), lp, list(zip(ti, tv)))
+                for t, lp, ti, tv in zip(targets.tolist(), chosen, top_ids, top_vals)
+            ]
         return result
 
 

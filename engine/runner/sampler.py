@@ -17,6 +17,7 @@ Randomness is counter-based: the uniform for (row i, token v) is a pure integer
 hash of (seeds[i], steps[i], v). A seeded request therefore draws the same
 token whatever its batch companions, batch size or row. No torch.Generator.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,10 +37,10 @@ from engine.sampling_params import SamplingParams
 # hence the non-zero domain constants below (golden-ratio and PCG-style odd words).
 _M32 = 0xFFFFFFFF
 _MUL_A, _MUL_B = 0x21F0AAAD, 0x735A2D97
-_SEED_SALT = 0x9E3779B9     # first word absorbed with the low seed bits
-_TOKEN_SALT = 0x5851F42D    # derives the second-round key from the row key
-_SEED_MOD = 1 << 63         # seeds are stored reduced mod 2^63 (any Python int is accepted)
-TOPK_FAST_MAX = 1024        # top-k up to this runs on torch.topk candidates instead of a vocabulary sort
+_SEED_SALT = 0x9E3779B9  # first word absorbed with the low seed bits
+_TOKEN_SALT = 0x5851F42D  # derives the second-round key from the row key
+_SEED_MOD = 1 << 63  # seeds are stored reduced mod 2^63 (any Python int is accepted)
+TOPK_FAST_MAX = 1024  # top-k up to this runs on torch.topk candidates instead of a vocabulary sort
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -71,7 +72,7 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> 
     v = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device).unsqueeze(0)
     x = _mix32(_mix32(v ^ k1) ^ k2)
     # Top 23 bits + 1/2, scaled by 2^-23: exact in float32 and strictly inside (0, 1).
-    return ((x >> 9).to(torch.float32) + 0.5) * (2.0 ** -23)
+    return ((x >> 9).to(torch.float32) + 0.5) * (2.0**-23)
 
 
 def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -166,9 +167,17 @@ class SamplingBatchInfo:
         return max(self.top_logprobs_nums, default=0)
 
     @classmethod
-    def build(cls, params: List[SamplingParams], seeds: List[int], steps: List[int],
-              output_ids: List[List[int]], prompt_ids: List[List[int]], vocab_size: int,
-              device, grammars: Optional[Sequence[Optional[GrammarState]]] = None) -> "SamplingBatchInfo":
+    def build(
+        cls,
+        params: List[SamplingParams],
+        seeds: List[int],
+        steps: List[int],
+        output_ids: List[List[int]],
+        prompt_ids: List[List[int]],
+        vocab_size: int,
+        device,
+        grammars: Optional[Sequence[Optional[GrammarState]]] = None,
+    ) -> "SamplingBatchInfo":
         """Gather per-request parameters into device tensors.
 
         `seeds[i]` is request i's effective seed (the engine draws one when unseeded);
@@ -296,8 +305,9 @@ class Sampler:
             logits.masked_fill_(self._filter_mask(logits, info), float("-inf"))
         elif info.need_min_p:
             probs = torch.softmax(logits, dim=-1)
-            logits.masked_fill_(probs < probs.max(dim=-1, keepdim=True).values * info.min_ps.unsqueeze(1),
-                                float("-inf"))
+            logits.masked_fill_(
+                probs < probs.max(dim=-1, keepdim=True).values * info.min_ps.unsqueeze(1), float("-inf")
+            )
         # Gumbel-max: argmax(logits / T + G) is an exact draw from softmax(logits / T).
         if logits.is_cuda:  # one fused pass (kernels/triton/sampling.py), same noise
             from kernels.triton.sampling import gumbel_argmax  # noqa: PLC0415

@@ -9,6 +9,7 @@ released, and they go back to the waiting queue keeping their output so far.
 Sampling is counter-based on (seed, output position), so a resumed request
 continues with exactly the tokens it would have produced.
 """
+
 from __future__ import annotations
 
 from typing import List

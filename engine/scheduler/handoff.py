@@ -20,6 +20,7 @@ not trusted until complete_import). A held export owns its row like a running re
 computed prefix is shared through the tree, locked) until release_export or an abort. Neither
 kind is ever in `waiting` or `running`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from engine.scheduler.prefill import reserved_decode_tokens
 @dataclass(frozen=True)
 class KVReservation:
     """Decode side → prefill side: where the prompt's KV must be written."""
+
     rid: str
     prompt_len: int
     prefix_len: int
@@ -52,6 +54,7 @@ class KVReservation:
 @dataclass(frozen=True)
 class PrefillHandoff:
     """Prefill side → decode side: the computed prompt, while its pages are held."""
+
     rid: str
     prompt_len: int
     src_pages: np.ndarray
@@ -67,7 +70,7 @@ class PrefillHandoff:
 
     def pages_from(self, prefix_len: int) -> np.ndarray:
         """Source pages of positions [prefix_len, prompt_len) (prefix_len a multiple of page_size)."""
-        return self.src_pages[prefix_len // self.page_size:]
+        return self.src_pages[prefix_len // self.page_size :]
 
 
 def _page_ids(slots: torch.Tensor, page_size: int) -> np.ndarray:
@@ -77,8 +80,7 @@ def _page_ids(slots: torch.Tensor, page_size: int) -> np.ndarray:
 
 
 class HandoffState:
-    def __init__(self, kv: KVCacheManager, output: OutputProcessor, counters: Dict[str, int],
-                 new_token_ratio: float):
+    def __init__(self, kv: KVCacheManager, output: OutputProcessor, counters: Dict[str, int], new_token_ratio: float):
         self.kv, self.output, self.counters, self.ratio = kv, output, counters, new_token_ratio
         self.importing: List[Req] = []
         """Decode side: waiting for destination pages."""
@@ -123,8 +125,9 @@ class HandoffState:
             req.kv_len, req.extend_len = prompt_len, 0
             self.importing.pop(0)
             self.awaiting[req.rid] = req
-            reservation = KVReservation(req.rid, prompt_len, req.prefix_len,
-                                        _page_ids(slots, kv.page_size), kv.page_size, req.seed)
+            reservation = KVReservation(
+                req.rid, prompt_len, req.prefix_len, _page_ids(slots, kv.page_size), kv.page_size, req.seed
+            )
             req.on_output(_handoff_output(req, reservation))
             did = True
         return did
@@ -160,10 +163,15 @@ class HandoffState:
         self.held[req.rid] = req
         slots = self.kv.req_to_token_pool.read(req.req_pool_idx, prompt_len)
         handoff = PrefillHandoff(
-            req.rid, prompt_len, _page_ids(slots, self.kv.page_size), self.kv.page_size, token,
+            req.rid,
+            prompt_len,
+            _page_ids(slots, self.kv.page_size),
+            self.kv.page_size,
+            token,
             logprob if req.sampling_params.logprobs else None,
             list(req.prompt_logprobs) if req.sampling_params.prompt_logprobs is not None else None,
-            req.cached_tokens)
+            req.cached_tokens,
+        )
         req.on_output(_handoff_output(req, handoff))
 
     def release_export(self, rid: str) -> None:
@@ -176,5 +184,4 @@ class HandoffState:
 
 
 def _handoff_output(req: Req, handoff) -> ReqOutput:
-    return ReqOutput(req.rid, [], [], None, None, len(req.origin_input_ids), req.cached_tokens, 0,
-                     handoff=handoff)
+    return ReqOutput(req.rid, [], [], None, None, len(req.origin_input_ids), req.cached_tokens, 0, handoff=handoff)

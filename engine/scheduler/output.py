@@ -9,6 +9,7 @@ step, never one callback per token of a batch. No text here: the Engine's
 front end makes it and checks stop strings (engine.text), so that this CPU
 work stays out of the scheduler's loop.
 """
+
 from __future__ import annotations
 
 import logging
@@ -63,14 +64,19 @@ class OutputProcessor:
     def flush(self, reqs: List[Req]) -> None:
         """Deliver what each request produced since its last callback."""
         for req in reqs:
-            new_ids = req.output_ids[req.num_emitted:]
+            new_ids = req.output_ids[req.num_emitted :]
             if not new_ids and not req.finished:
                 continue
             out = ReqOutput(
-                rid=req.rid, new_token_ids=new_ids, logprobs=req.pending_logprobs,
-                finish_reason=req.finish_reason, matched_stop=req.matched_stop,
-                prompt_tokens=len(req.origin_input_ids), cached_tokens=req.cached_tokens,
-                completion_tokens=len(req.output_ids))
+                rid=req.rid,
+                new_token_ids=new_ids,
+                logprobs=req.pending_logprobs,
+                finish_reason=req.finish_reason,
+                matched_stop=req.matched_stop,
+                prompt_tokens=len(req.origin_input_ids),
+                cached_tokens=req.cached_tokens,
+                completion_tokens=len(req.output_ids),
+            )
             if req.sampling_params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
                 out.prompt_logprobs, req.prompt_logprobs_sent = list(req.prompt_logprobs), True
             req.num_emitted = len(req.output_ids)

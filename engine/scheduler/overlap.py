@@ -13,8 +13,8 @@ Invariant — what batch N+1 may depend on while N is unresolved:
     applied when N is launched);
   - N's sampled tokens only as device tensors: a decode input (FutureMap) and the sampling step
     (len(output_ids) + 1 for a request with a token in flight, so seeded sampling draws as without overlap).
-It may not read N's tokens on the CPU. (A mixed EXTEND batch's decode rows take their input the same way.) Hence the sync rule: N is resolved and processed *before* N+1 is
-planned (the plain step) when a request of N has
+It may not read N's tokens on the CPU. (A mixed EXTEND batch's decode rows take their input the same way.)
+Hence the sync rule: N is resolved and processed *before* N+1 is planned (the plain step) when a request of N has
   - a grammar (the next bitmask needs the token),
   - a repetition / frequency / presence penalty (token statistics are built from output_ids),
   - prompt logprobs owed (the next chunk continues the logprobs processed so far).
@@ -24,6 +24,7 @@ its KV slot belongs to the request (its kv_len counts it) and is freed or cached
 leaks. Prefill batches are overlapped like decode ones; a prefilled request joins decode N+1 with its
 first token as a future. Only one batch is ever in flight.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -43,8 +44,13 @@ if TYPE_CHECKING:  # pragma: no cover
 def needs_sync(req: Req) -> bool:
     """True when the batch after one holding `req` must not be planned before `req`'s token is known."""
     p = req.sampling_params
-    return (req.grammar is not None or p.prompt_logprobs is not None or p.repetition_penalty != 1.0
-            or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0)
+    return (
+        req.grammar is not None
+        or p.prompt_logprobs is not None
+        or p.repetition_penalty != 1.0
+        or p.frequency_penalty != 0.0
+        or p.presence_penalty != 0.0
+    )
 
 
 @dataclass
@@ -67,8 +73,9 @@ class FutureMap:
             return
         idx = torch.tensor(pairs, dtype=torch.int64).to(fb.input_ids.device, non_blocking=True)
         with torch.inference_mode():
-            fb.input_ids = fb.input_ids.index_copy(0, idx[:, 0], self.tokens.index_select(0, idx[:, 1]).to(
-                fb.input_ids.dtype))
+            fb.input_ids = fb.input_ids.index_copy(
+                0, idx[:, 0], self.tokens.index_select(0, idx[:, 1]).to(fb.input_ids.dtype)
+            )
 
 
 @dataclass

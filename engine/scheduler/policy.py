@@ -8,6 +8,7 @@ SGLang does. Under lpm, a request that shares a long uncached prefix with one
 already in the batch being planned waits a step (InBatchPrefixIndex), so the
 prefix is computed once and then reused. `fcfs`: arrival order.
 """
+
 from __future__ import annotations
 
 from typing import Callable, List

@@ -11,6 +11,7 @@ A request that does not fit its whole remaining prompt under the budgets is
 chunked: it computes a prefix now and continues in a later step. At most one
 request per batch is chunked, and it is always the last one added.
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Sequence
@@ -30,8 +31,16 @@ def reserved_decode_tokens(req: Req, ratio: float) -> int:
 
 
 class PrefillAdder:
-    def __init__(self, kv: KVCacheManager, running: List[Req], max_prefill_tokens: int, chunk_size: int,
-                 new_token_ratio: float, max_running: int, decoding: Sequence[Req] = ()):
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        running: List[Req],
+        max_prefill_tokens: int,
+        chunk_size: int,
+        new_token_ratio: float,
+        max_running: int,
+        decoding: Sequence[Req] = (),
+    ):
         """`decoding`: running requests that decode one token in the same (mixed) step; their tokens count
         against the step's budget and their new pages are kept free for them."""
         self.kv = kv

@@ -11,6 +11,7 @@ the prefills, the chunked one last:
 
     reqs = [decode_0 .. decode_d-1, prefill_0 .. prefill_p-1 (, chunked)]
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -35,11 +36,11 @@ class ScheduleBatch:
 
     @property
     def decode_reqs(self) -> List[Req]:
-        return self.reqs[:self.num_decode]
+        return self.reqs[: self.num_decode]
 
     @property
     def prefill_reqs(self) -> List[Req]:
-        return self.reqs[self.num_decode:]
+        return self.reqs[self.num_decode :]
 
     @property
     def sampled_reqs(self) -> List[Req]:
@@ -58,13 +59,18 @@ class ScheduleBatch:
             input_ids = [r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in self.decode_reqs]
             positions = [r.kv_len for r in self.decode_reqs]
             for r in self.prefill_reqs:
-                input_ids += r.fill_ids[r.kv_len:r.kv_len + r.extend_len]
+                input_ids += r.fill_ids[r.kv_len : r.kv_len + r.extend_len]
                 positions += range(r.kv_len, r.kv_len + r.extend_len)
         if out_loc is None:
             raise RuntimeError("KV allocation failed after the scheduler reserved it (scheduler bug)")
         self.forward_batch = ForwardBatch.build(
-            self.mode, input_ids, positions, out_loc,
+            self.mode,
+            input_ids,
+            positions,
+            out_loc,
             req_pool_indices=[r.req_pool_idx for r in self.reqs],
             seq_lens=[r.kv_len + r.extend_len for r in self.reqs],
-            prefix_lens=[r.kv_len for r in self.reqs], device=device)
+            prefix_lens=[r.kv_len for r in self.reqs],
+            device=device,
+        )
         return self.forward_batch

@@ -18,6 +18,7 @@ from its loop thread and feeds requests and aborts through its own queue. Unless
 `disable_overlap_schedule`, `step()` is OverlapLoop.step (overlap.py): the same
 stages, with batch N+1 launched before batch N's results are processed.
 """
+
 from __future__ import annotations
 
 import logging
@@ -48,8 +49,17 @@ class Scheduler:
         self.running: List[Req] = []
         self.chunked_req: Optional[Req] = None
         self.output = OutputProcessor(context_len)
-        self.counters: Dict[str, int] = dict(prompt_tokens=0, cached_tokens=0, generated_tokens=0, retractions=0,
-                                             finished=0, aborted=0, prefill_steps=0, decode_steps=0, mixed_steps=0)
+        self.counters: Dict[str, int] = dict(
+            prompt_tokens=0,
+            cached_tokens=0,
+            generated_tokens=0,
+            retractions=0,
+            finished=0,
+            aborted=0,
+            prefill_steps=0,
+            decode_steps=0,
+            mixed_steps=0,
+        )
         self.handoff = HandoffState(kv, self.output, self.counters, config.new_token_ratio)
         """Disaggregation: requests importing or exporting their prompt's KV (never in waiting/running)."""
         self.overlap = None if config.disable_overlap_schedule else OverlapLoop(self)
@@ -88,12 +98,22 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req or self.handoff.importing
-                    or (self.overlap is not None and self.overlap.inflight is not None))
+        return bool(
+            self.waiting
+            or self.running
+            or self.chunked_req
+            or self.handoff.importing
+            or (self.overlap is not None and self.overlap.inflight is not None)
+        )
 
     def _all_reqs(self) -> List[Req]:
-        return (self.waiting + self.running + ([self.chunked_req] if self.chunked_req else [])
-                + self.handoff.reqs() + (self.overlap.detached() if self.overlap is not None else []))
+        return (
+            self.waiting
+            + self.running
+            + ([self.chunked_req] if self.chunked_req else [])
+            + self.handoff.reqs()
+            + (self.overlap.detached() if self.overlap is not None else [])
+        )
 
     # ---- the loop ----------------------------------------------------------------------
     def step(self) -> bool:
@@ -126,11 +146,17 @@ class Scheduler:
 
     def _get_new_prefill_batch(self) -> Optional[ScheduleBatch]:
         decoding = self._decoding_reqs() if self.config.enable_mixed_chunk and self.running else []
-        adder = PrefillAdder(self.kv, self.running, self.config.max_prefill_tokens, self.config.chunked_prefill_size,
-                             self.config.new_token_ratio, self.config.max_running_requests, decoding)
+        adder = PrefillAdder(
+            self.kv,
+            self.running,
+            self.config.max_prefill_tokens,
+            self.config.chunked_prefill_size,
+            self.config.new_token_ratio,
+            self.config.max_running_requests,
+            decoding,
+        )
         # Like lpm ordering itself, the in-batch check is skipped for long queues (it costs a tree walk per request).
-        use_in_batch = (self.config.schedule_policy == "lpm" and self.kv.use_tree
-                        and len(self.waiting) <= LPM_MAX_QUEUE)
+        use_in_batch = self.config.schedule_policy == "lpm" and self.kv.use_tree and len(self.waiting) <= LPM_MAX_QUEUE
         in_batch = InBatchPrefixIndex() if use_in_batch else None
         if self.chunked_req is not None:
             if not adder.add_one(self.chunked_req, admitted=True):
@@ -138,8 +164,9 @@ class Scheduler:
             if in_batch is not None:
                 in_batch.add(self.chunked_req.fill_ids)
             self.chunked_req = None
-        queue = order_waiting_queue([r for r in self.waiting if self._ready(r)], self.config.schedule_policy,
-                                    self.kv.match)
+        queue = order_waiting_queue(
+            [r for r in self.waiting if self._ready(r)], self.config.schedule_policy, self.kv.match
+        )
         for req in queue:
             if in_batch is not None and in_batch.should_wait(req.fill_ids, self.kv.match(req)):
                 continue
@@ -157,8 +184,9 @@ class Scheduler:
         self.chunked_req = adder.chunked_req
         for req in decoding:
             req.extend_len = 1
-        return ScheduleBatch(ForwardMode.EXTEND, decoding + adder.can_run, chunked_req=adder.chunked_req,
-                             num_decode=len(decoding))
+        return ScheduleBatch(
+            ForwardMode.EXTEND, decoding + adder.can_run, chunked_req=adder.chunked_req, num_decode=len(decoding)
+        )
 
     @staticmethod
     def _ready(req: Req) -> bool:
@@ -204,7 +232,7 @@ class Scheduler:
         if batch.chunked_req is not None:
             self.kv.cache_unfinished(batch.chunked_req)
         if batch.mode is ForwardMode.EXTEND:
-            for req in batch.sampled_reqs[batch.num_decode:]:  # decode rows of a mixed batch already run
+            for req in batch.sampled_reqs[batch.num_decode :]:  # decode rows of a mixed batch already run
                 if req.handoff != "export" and len(req.output_ids) + 1 < req.sampling_params.max_new_tokens:
                     self.kv.cache_unfinished(req)
                     self.running.append(req)

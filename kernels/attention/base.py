@@ -11,6 +11,7 @@ KV pool, then for every forward:
 positions [0, position] (causal). `kernels` does not import `engine`: the batch
 and pool are used through the small protocols below.
 """
+
 from __future__ import annotations
 
 import abc
@@ -50,8 +51,15 @@ class AttentionBackend(abc.ABC):
     k and v (T, num_kv_heads, head_dim); returns (T, num_heads, head_dim) in q's dtype.
     """
 
-    def __init__(self, req_to_token: torch.Tensor, kv_pool: KVPoolLike, num_heads: int, num_kv_heads: int,
-                 head_dim: int, scale: float):
+    def __init__(
+        self,
+        req_to_token: torch.Tensor,
+        kv_pool: KVPoolLike,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+    ):
         self.req_to_token = req_to_token
         self.kv_pool = kv_pool
         self.num_heads = num_heads
@@ -63,8 +71,9 @@ class AttentionBackend(abc.ABC):
         """Precompute per-forward indices shared by all layers (default: nothing)."""
 
     @abc.abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                batch: ForwardBatchLike) -> torch.Tensor: ...
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatchLike
+    ) -> torch.Tensor: ...
 
     # ---- CUDA graphs (decode) ------------------------------------------------------------------
     # A backend that supports graphs sets `supports_cuda_graph`. The graph runner then calls, for

@@ -20,6 +20,7 @@ the real lengths through fast_decode_plan (no Python-side checks, no extra copie
 Only fp16 / bf16 are served (FlashInfer has no float32 kernels): float32 models use the Triton backend.
 flashinfer is imported when the backend is built, never at `import kernels`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -61,8 +62,10 @@ class FlashInferAttnBackend(AttentionBackend):
         k_buf, _ = self.kv_pool.get_kv_buffer(0)
         self.dtype = k_buf.dtype
         if self.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"the flashinfer attention backend serves float16 / bfloat16 KV, not {self.dtype}; "
-                             "use attention_backend='triton' for float32")
+            raise ValueError(
+                f"the flashinfer attention backend serves float16 / bfloat16 KV, not {self.dtype}; "
+                "use attention_backend='triton' for float32"
+            )
         self.device = device
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         # Tensor-core decode pays off for wide GQA groups (as in SGLang: group >= 4).
@@ -78,13 +81,18 @@ class FlashInferAttnBackend(AttentionBackend):
     def _new_decode_wrapper(self, graph: Optional[_GraphState] = None, indices: Optional[torch.Tensor] = None):
         kwargs = dict(use_tensor_cores=self.decode_tensor_cores, backend="fa2")
         if graph is not None:
-            kwargs.update(use_cuda_graph=True, paged_kv_indptr_buffer=graph.indptr,
-                          paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=graph.last_page_len)
+            kwargs.update(
+                use_cuda_graph=True,
+                paged_kv_indptr_buffer=graph.indptr,
+                paged_kv_indices_buffer=indices,
+                paged_kv_last_page_len_buffer=graph.last_page_len,
+            )
         return self._fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", **kwargs)
 
     # ---- metadata ----------------------------------------------------------------------------
-    def _kv_indices(self, batch: ForwardBatchLike, kv_indptr_host: torch.Tensor,
-                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _kv_indices(
+        self, batch: ForwardBatchLike, kv_indptr_host: torch.Tensor, out: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         from kernels.triton.fused_layers import build_kv_indices  # noqa: PLC0415
 
         total = int(kv_indptr_host[-1])
@@ -102,13 +110,31 @@ class FlashInferAttnBackend(AttentionBackend):
         kv_indices = self._kv_indices(batch, kv_indptr)
         last_page_len = torch.ones(bs, dtype=torch.int32)
         if _is_decode(batch):
-            self.decode_wrapper.plan(kv_indptr, kv_indices, last_page_len, self.num_heads, self.num_kv_heads,
-                                     self.head_dim, 1, **self._plan_kwargs())
+            self.decode_wrapper.plan(
+                kv_indptr,
+                kv_indices,
+                last_page_len,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                1,
+                **self._plan_kwargs(),
+            )
             self._mode, self._active_decode = "decode", self.decode_wrapper
         else:
             qo_indptr = _indptr(batch.extend_seq_lens_cpu)
-            self.prefill_wrapper.plan(qo_indptr, kv_indptr, kv_indices, last_page_len, self.num_heads,
-                                      self.num_kv_heads, self.head_dim, 1, causal=True, **self._plan_kwargs())
+            self.prefill_wrapper.plan(
+                qo_indptr,
+                kv_indptr,
+                kv_indices,
+                last_page_len,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                1,
+                causal=True,
+                **self._plan_kwargs(),
+            )
             self._mode = "extend"
         self._meta_batch = batch
 
@@ -117,10 +143,15 @@ class FlashInferAttnBackend(AttentionBackend):
         bs = batch.batch_size
         if self._graph_indices is None:
             # Room for every captured batch at full context: rows of req_to_token are context-wide.
-            self._graph_indices = torch.zeros(self.req_to_token.shape[0] * self.req_to_token.shape[1],
-                                              dtype=torch.int32, device=self.device)
-        state = _GraphState(None, torch.zeros(bs + 1, dtype=torch.int32, device=self.device),
-                            torch.ones(bs, dtype=torch.int32, device=self.device), torch.ones(bs, dtype=torch.int32))
+            self._graph_indices = torch.zeros(
+                self.req_to_token.shape[0] * self.req_to_token.shape[1], dtype=torch.int32, device=self.device
+            )
+        state = _GraphState(
+            None,
+            torch.zeros(bs + 1, dtype=torch.int32, device=self.device),
+            torch.ones(bs, dtype=torch.int32, device=self.device),
+            torch.ones(bs, dtype=torch.int32),
+        )
         state.wrapper = self._new_decode_wrapper(state, self._graph_indices)
         self._graphs[bs] = state
         self._plan_graph(state, batch)
@@ -135,30 +166,52 @@ class FlashInferAttnBackend(AttentionBackend):
         kv_indptr = _indptr(batch.seq_lens_cpu)
         total = int(kv_indptr[-1])
         if total > self._graph_indices.numel():
-            raise RuntimeError(f"decode batch needs {total} KV indices, graph buffer holds {self._graph_indices.numel()}")
+            raise RuntimeError(
+                f"decode batch needs {total} KV indices, graph buffer holds {self._graph_indices.numel()}"
+            )
         from kernels.triton.fused_layers import build_kv_indices  # noqa: PLC0415
 
         state.indptr.copy_(kv_indptr, non_blocking=True)
         build_kv_indices(self.req_to_token, batch.req_pool_indices, batch.seq_lens, state.indptr, self._graph_indices)
-        fast_decode_plan(state.wrapper, state.indptr, self._graph_indices[:total], state.last_page_len_host,
-                         self.num_heads, self.num_kv_heads, self.head_dim, 1, global_override_indptr_cpu=kv_indptr,
-                         **self._plan_kwargs())
+        fast_decode_plan(
+            state.wrapper,
+            state.indptr,
+            self._graph_indices[:total],
+            state.last_page_len_host,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            1,
+            global_override_indptr_cpu=kv_indptr,
+            **self._plan_kwargs(),
+        )
         self._mode, self._active_decode, self._meta_batch = "decode", state.wrapper, batch
 
     def _plan_graph(self, state: _GraphState, batch: ForwardBatchLike) -> None:
         kv_indptr = _indptr(batch.seq_lens_cpu)
         total = int(kv_indptr[-1])
         if total > self._graph_indices.numel():
-            raise RuntimeError(f"decode batch needs {total} KV indices, graph buffer holds {self._graph_indices.numel()}")
+            raise RuntimeError(
+                f"decode batch needs {total} KV indices, graph buffer holds {self._graph_indices.numel()}"
+            )
         # Built into scratch, then plan() copies them into the wrapper's fixed buffer (same stream, ordered).
         kv_indices = self._kv_indices(batch, kv_indptr)
-        state.wrapper.plan(kv_indptr, kv_indices, torch.ones(batch.batch_size, dtype=torch.int32), self.num_heads,
-                           self.num_kv_heads, self.head_dim, 1, **self._plan_kwargs())
+        state.wrapper.plan(
+            kv_indptr,
+            kv_indices,
+            torch.ones(batch.batch_size, dtype=torch.int32),
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            1,
+            **self._plan_kwargs(),
+        )
         self._mode, self._active_decode, self._meta_batch = "decode", state.wrapper, batch
 
     # ---- forward -----------------------------------------------------------------------------
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                batch: ForwardBatchLike) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatchLike
+    ) -> torch.Tensor:
         """q (T, H, D), k/v (T, Hkv, D) -> (T, H, D) in q's dtype; writes k/v at batch.out_cache_loc first."""
         from kernels.triton.store_kv import store_kv  # noqa: PLC0415
 

@@ -6,6 +6,7 @@ KV gathered into (bs, max_seq_len) with a padding mask (two batched matmuls
 and a float32 softmax). On CPU, fp16/bf16 inputs
 are computed in float32 (returned in q's dtype).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -46,8 +47,9 @@ class TorchNativeAttnBackend(AttentionBackend):
             self._decode_meta = _DecodeMeta(torch.where(valid, self._rows, 0), valid[:, None, None, :])
         self._meta_batch = batch
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                batch: ForwardBatchLike) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatchLike
+    ) -> torch.Tensor:
         """q (T, H, D), k/v (T, Hkv, D) -> (T, H, D) in q's dtype; writes k/v at batch.out_cache_loc first."""
         if self._meta_batch is not batch:
             self.init_forward_metadata(batch)
@@ -68,31 +70,36 @@ class TorchNativeAttnBackend(AttentionBackend):
         meta = self._decode_meta
         bs = q.shape[0]
         k = k_buf[meta.kv_indices].to(dtype).permute(0, 2, 3, 1)  # (bs, Hkv, D, max_len)
-        v = v_buf[meta.kv_indices].to(dtype).transpose(1, 2)      # (bs, Hkv, max_len, D)
+        v = v_buf[meta.kv_indices].to(dtype).transpose(1, 2)  # (bs, Hkv, max_len, D)
         qg = q.view(bs, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
-        scores = torch.matmul(qg, k).float() * self.scale          # (bs, Hkv, G, max_len) float32
+        scores = torch.matmul(qg, k).float() * self.scale  # (bs, Hkv, G, max_len) float32
         probs = scores.masked_fill(~meta.mask, float("-inf")).softmax(dim=-1).to(dtype)
         return torch.matmul(probs, v).reshape(bs, self.num_heads, self.head_dim)
 
-    def _extend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, dtype: torch.dtype,
-                batch: ForwardBatchLike) -> torch.Tensor:
+    def _extend(
+        self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, dtype: torch.dtype, batch: ForwardBatchLike
+    ) -> torch.Tensor:
         """q (T, H, D): request i's new rows [start, start + n) attend its KV [0, seq_len), causally."""
         out = torch.empty_like(q)
         start = 0
-        for i, (n, prefix, seq_len) in enumerate(zip(batch.extend_seq_lens_cpu, batch.extend_prefix_lens_cpu,
-                                                     batch.seq_lens_cpu)):
+        for i, (n, prefix, seq_len) in enumerate(
+            zip(batch.extend_seq_lens_cpu, batch.extend_prefix_lens_cpu, batch.seq_lens_cpu)
+        ):
             if n == 0:
                 continue
             idx = self._rows[i, :seq_len]
             k = k_buf[idx].to(dtype).transpose(0, 1)  # (Hkv, seq_len, D)
             v = v_buf[idx].to(dtype).transpose(0, 1)
             # new row r sits at absolute position prefix + r and sees positions [0, prefix + r]
-            mask = (torch.arange(seq_len, device=q.device)[None, :]
-                    <= torch.arange(prefix, prefix + n, device=q.device)[:, None])
-            qi = q[start:start + n].transpose(0, 1)  # (H, n, D)
-            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=self.scale,
-                                               enable_gqa=self.num_heads != self.num_kv_heads)
-            out[start:start + n] = o.transpose(0, 1)
+            mask = (
+                torch.arange(seq_len, device=q.device)[None, :]
+                <= torch.arange(prefix, prefix + n, device=q.device)[:, None]
+            )
+            qi = q[start : start + n].transpose(0, 1)  # (H, n, D)
+            o = F.scaled_dot_product_attention(
+                qi, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads
+            )
+            out[start : start + n] = o.transpose(0, 1)
             start += n
         return out
 

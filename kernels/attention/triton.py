@@ -9,6 +9,7 @@ The kernel modules import triton, so they are imported on first use: `import ker
 registry stay cheap and work on CPU-only installs without triton. On CPU the kernels run only under
 the Triton interpreter (TRITON_INTERPRET=1 set before triton is imported), which tests use.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -57,8 +58,9 @@ class TritonAttnBackend(AttentionBackend):
         if _is_decode(batch):
             device = self.req_to_token.device
             max_len = max(batch.seq_lens_cpu) if batch.batch_size else 0
-            splits = self.num_kv_splits or dec.pick_num_kv_splits(_bucket(batch.batch_size), self.num_kv_heads,
-                                                                   max_len, device)
+            splits = self.num_kv_splits or dec.pick_num_kv_splits(
+                _bucket(batch.batch_size), self.num_kv_heads, max_len, device
+            )
             mid_o, mid_lse = dec.alloc_decode_scratch(batch.batch_size, self.num_heads, self.head_dim, splits, device)
             self._decode = _DecodeMeta(splits, mid_o, mid_lse)
         else:
@@ -84,8 +86,9 @@ class TritonAttnBackend(AttentionBackend):
         """Nothing to update on the host: the kernels read seq_lens and req_pool_indices on the device."""
         self._decode, self._extend, self._meta_batch = self._graph_meta[batch.batch_size], None, batch
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                batch: ForwardBatchLike) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatchLike
+    ) -> torch.Tensor:
         """q (T, H, D), k/v (T, Hkv, D) -> (T, H, D) in q's dtype; writes k/v at batch.out_cache_loc first."""
         from kernels.triton.store_kv import store_kv
 
@@ -99,15 +102,38 @@ class TritonAttnBackend(AttentionBackend):
             from kernels.triton.decode_attention import decode_attention
 
             meta = self._decode
-            return decode_attention(q, k_buf, v_buf, out, self.req_to_token, batch.req_pool_indices, batch.seq_lens,
-                                    self.scale, meta.num_splits, meta.mid_o, meta.mid_lse)
+            return decode_attention(
+                q,
+                k_buf,
+                v_buf,
+                out,
+                self.req_to_token,
+                batch.req_pool_indices,
+                batch.seq_lens,
+                self.scale,
+                meta.num_splits,
+                meta.mid_o,
+                meta.mid_lse,
+            )
         from kernels.triton.extend_attention import extend_attention
 
         k = k if k.stride(-1) == 1 else k.contiguous()
         v = v if v.stride(-1) == 1 else v.contiguous()
-        return extend_attention(q, k, v, out, k_buf, v_buf, self.req_to_token, batch.req_pool_indices,
-                                batch.extend_prefix_lens, batch.extend_seq_lens, batch.extend_start_loc,
-                                self._extend.max_extend_len, self.scale)
+        return extend_attention(
+            q,
+            k,
+            v,
+            out,
+            k_buf,
+            v_buf,
+            self.req_to_token,
+            batch.req_pool_indices,
+            batch.extend_prefix_lens,
+            batch.extend_seq_lens,
+            batch.extend_start_loc,
+            self._extend.max_extend_len,
+            self.scale,
+        )
 
 
 def _bucket(bs: int) -> int:

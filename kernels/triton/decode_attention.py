@@ -16,6 +16,7 @@ A batch of 1 on a long context thus runs Hkv * num_splits programs instead of Hk
 chooses num_splits so the whole GPU is busy. Logits and softmax statistics are float32; P @ V runs in the
 KV dtype with float32 accumulation.
 """
+
 from __future__ import annotations
 
 import math
@@ -48,12 +49,38 @@ def dot_flags(dtype: torch.dtype, device: torch.device) -> dict:
 
 
 @triton.jit
-def _decode_stage1(Q, K_buf, V_buf, Req_to_token, Req_pool_indices, Seq_lens, Mid_o, Mid_lse,
-                   stride_qt, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_r2t,
-                   stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h,
-                   qk_scale, num_splits,
-                   G: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
+def _decode_stage1(
+    Q,
+    K_buf,
+    V_buf,
+    Req_to_token,
+    Req_pool_indices,
+    Seq_lens,
+    Mid_o,
+    Mid_lse,
+    stride_qt,
+    stride_qh,
+    stride_kbs,
+    stride_kbh,
+    stride_vbs,
+    stride_vbh,
+    stride_r2t,
+    stride_mo_b,
+    stride_mo_h,
+    stride_mo_s,
+    stride_ml_b,
+    stride_ml_h,
+    qk_scale,
+    num_splits,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -70,8 +97,11 @@ def _decode_stage1(Q, K_buf, V_buf, Req_to_token, Req_pool_indices, Seq_lens, Mi
     mask_h = offs_g < G
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
-    q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+    q = tl.load(
+        Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_h[:, None] & mask_d[None, :],
+        other=0.0,
+    )
     row = tl.load(Req_pool_indices + b).to(tl.int64)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -96,14 +126,31 @@ def _decode_stage1(Q, K_buf, V_buf, Req_to_token, Req_pool_indices, Seq_lens, Mi
     nonempty = l_i > 0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-    tl.store(Mid_o + b * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s + offs_d[None, :], out,
-             mask=mask_h[:, None] & mask_d[None, :])
+    tl.store(
+        Mid_o + b * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s + offs_d[None, :],
+        out,
+        mask=mask_h[:, None] & mask_d[None, :],
+    )
     tl.store(Mid_lse + b * stride_ml_b + heads * stride_ml_h + split, lse, mask=mask_h)
 
 
 @triton.jit
-def _decode_stage2(Mid_o, Mid_lse, O, stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h,
-                   stride_ot, stride_oh, num_splits, D: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
+def _decode_stage2(
+    Mid_o,
+    Mid_lse,
+    O,
+    stride_mo_b,
+    stride_mo_h,
+    stride_mo_s,
+    stride_ml_b,
+    stride_ml_h,
+    stride_ot,
+    stride_oh,
+    num_splits,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     b = tl.program_id(0)
     h = tl.program_id(1)
     if USE_PDL:
@@ -127,8 +174,9 @@ def _decode_stage2(Mid_o, Mid_lse, O, stride_mo_b, stride_mo_h, stride_mo_s, str
     tl.store(O + b * stride_ot + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=mask_d)
 
 
-def pick_num_kv_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
-                       block_n: int = 64) -> int:
+def pick_num_kv_splits(
+    batch_size: int, num_kv_heads: int, max_seq_len: int, device: torch.device, block_n: int = 64
+) -> int:
     """Splits per request so that bs * Hkv * splits fills the GPU about 2 programs per SM, capped so no
     split is shorter than one block and at MAX_KV_SPLITS. Depends only on host values (no sync)."""
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
@@ -136,18 +184,28 @@ def pick_num_kv_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, dev
     return max(1, min(want, math.ceil(max(1, max_seq_len) / block_n), MAX_KV_SPLITS))
 
 
-def alloc_decode_scratch(batch_size: int, num_heads: int, head_dim: int, num_splits: int,
-                         device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def alloc_decode_scratch(
+    batch_size: int, num_heads: int, head_dim: int, num_splits: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(mid_o (bs, H, splits, D) float32, mid_lse (bs, H, splits) float32), reusable by every layer."""
     mid_o = torch.empty(batch_size, num_heads, num_splits, head_dim, dtype=torch.float32, device=device)
     mid_lse = torch.empty(batch_size, num_heads, num_splits, dtype=torch.float32, device=device)
     return mid_o, mid_lse
 
 
-def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, out: torch.Tensor,
-                     req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                     scale: float, num_splits: int, mid_o: Optional[torch.Tensor] = None,
-                     mid_lse: Optional[torch.Tensor] = None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    out: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int,
+    mid_o: Optional[torch.Tensor] = None,
+    mid_lse: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """q (bs, H, D), k_buf/v_buf (num_slots, Hkv, D) -> out (bs, H, D), written in place and returned.
 
     req_to_token (rows, max_ctx) int32; req_pool_indices, seq_lens (bs,) int; seq_lens[i] >= 1.
@@ -164,24 +222,67 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     block_n = 32 if k_buf.dtype == torch.float32 else 64
     block_d = triton.next_power_of_2(head_dim)
     _decode_stage1[(bs, num_kv_heads, num_splits)](
-        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
-        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
-        req_to_token.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
-        mid_lse.stride(1), scale * _LOG2E, num_splits,
-        G=group, D=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        **dot_flags(q.dtype, q.device), num_warps=4, num_stages=2, **pdl.launch_args(q.device),
+        q,
+        k_buf,
+        v_buf,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        mid_o,
+        mid_lse,
+        q.stride(0),
+        q.stride(1),
+        k_buf.stride(0),
+        k_buf.stride(1),
+        v_buf.stride(0),
+        v_buf.stride(1),
+        req_to_token.stride(0),
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        scale * _LOG2E,
+        num_splits,
+        G=group,
+        D=head_dim,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+        **dot_flags(q.dtype, q.device),
+        num_warps=4,
+        num_stages=2,
+        **pdl.launch_args(q.device),
     )
     _decode_stage2[(bs, num_heads)](
-        mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
-        mid_lse.stride(1), out.stride(0), out.stride(1), num_splits, D=head_dim, BLOCK_D=block_d, num_warps=1,
+        mid_o,
+        mid_lse,
+        out,
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        num_splits,
+        D=head_dim,
+        BLOCK_D=block_d,
+        num_warps=1,
         **pdl.launch_args(q.device),
     )
     return out
 
 
-def decode_attention_reference(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                               req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
+def decode_attention_reference(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Plain torch, one request at a time, float32 math: q (bs, H, D) -> (bs, H, D) in q's dtype."""
     out = torch.empty_like(q)
     group = q.shape[1] // k_buf.shape[1]

@@ -11,6 +11,7 @@ i for query head h (kv head h // G). Phase 1 streams the prefix blocks (no mask 
 the new-token blocks up to the diagonal (causal mask). Programs whose rows start past n_i do nothing.
 Logits and softmax statistics are float32; P @ V runs in the KV dtype with float32 accumulation.
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,11 +37,40 @@ def _online_softmax_step(q, k, v, s_mask, m_i, l_i, acc, qk_scale, PRECISION: tl
 
 
 @triton.jit
-def _extend_kernel(Q, K_new, V_new, O, K_buf, V_buf, Req_to_token, Req_pool_indices, Prefix_lens, Extend_lens,
-                   Extend_start, stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
-                   stride_ot, stride_oh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_r2t, qk_scale,
-                   G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def _extend_kernel(
+    Q,
+    K_new,
+    V_new,
+    O,
+    K_buf,
+    V_buf,
+    Req_to_token,
+    Req_pool_indices,
+    Prefix_lens,
+    Extend_lens,
+    Extend_start,
+    stride_qt,
+    stride_qh,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
+    stride_ot,
+    stride_oh,
+    stride_kbs,
+    stride_kbh,
+    stride_vbs,
+    stride_vbh,
+    stride_r2t,
+    qk_scale,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     b = tl.program_id(0)
     h = tl.program_id(1)
     mblk = tl.program_id(2)
@@ -55,8 +85,11 @@ def _extend_kernel(Q, K_new, V_new, O, K_buf, V_buf, Req_to_token, Req_pool_indi
     mask_m = offs_m < n_new
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
-    q = tl.load(Q + (start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    q = tl.load(
+        Q + (start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        mask=mask_m[:, None] & mask_d[None, :],
+        other=0.0,
+    )
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -79,22 +112,38 @@ def _extend_kernel(Q, K_new, V_new, O, K_buf, V_buf, Req_to_token, Req_pool_indi
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < n_new
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(K_new + (start + offs_n)[:, None] * stride_knt + kvh * stride_knh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(V_new + (start + offs_n)[:, None] * stride_vnt + kvh * stride_vnh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
+        k = tl.load(
+            K_new + (start + offs_n)[:, None] * stride_knt + kvh * stride_knh + offs_d[None, :], mask=kv_mask, other=0.0
+        )
+        v = tl.load(
+            V_new + (start + offs_n)[:, None] * stride_vnt + kvh * stride_vnh + offs_d[None, :], mask=kv_mask, other=0.0
+        )
         causal = (offs_n[None, :] <= offs_m[:, None]) & mask_n[None, :]
         m_i, l_i, acc = _online_softmax_step(q, k, v, causal, m_i, l_i, acc, qk_scale, PRECISION, UPCAST)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(O + (start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
-             mask=mask_m[:, None] & mask_d[None, :])
+    tl.store(
+        O + (start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        out.to(O.dtype.element_ty),
+        mask=mask_m[:, None] & mask_d[None, :],
+    )
 
 
-def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, out: torch.Tensor,
-                     k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
-                     req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
-                     extend_start: torch.Tensor, max_extend_len: int, scale: float) -> torch.Tensor:
+def extend_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    out: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    extend_start: torch.Tensor,
+    max_extend_len: int,
+    scale: float,
+) -> torch.Tensor:
     """q (T, H, D), k_new/v_new (T, Hkv, D), k_buf/v_buf (num_slots, Hkv, D) -> out (T, H, D) in place.
 
     req_to_token (rows, max_ctx) int32; req_pool_indices, prefix_lens, extend_lens, extend_start (bs,) int;
@@ -116,32 +165,69 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         block_m, block_n, warps = 64, 64, 4
     grid = (bs, num_heads, triton.cdiv(max_extend_len, block_m))
     _extend_kernel[grid](
-        q, k_new, v_new, out, k_buf, v_buf, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start,
-        q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        out.stride(0), out.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
-        req_to_token.stride(0), scale * _LOG2E,
-        G=num_heads // k_buf.shape[1], D=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        **dot_flags(q.dtype, q.device), num_warps=warps, num_stages=2,
+        q,
+        k_new,
+        v_new,
+        out,
+        k_buf,
+        v_buf,
+        req_to_token,
+        req_pool_indices,
+        prefix_lens,
+        extend_lens,
+        extend_start,
+        q.stride(0),
+        q.stride(1),
+        k_new.stride(0),
+        k_new.stride(1),
+        v_new.stride(0),
+        v_new.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_buf.stride(0),
+        k_buf.stride(1),
+        v_buf.stride(0),
+        v_buf.stride(1),
+        req_to_token.stride(0),
+        scale * _LOG2E,
+        G=num_heads // k_buf.shape[1],
+        D=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        **dot_flags(q.dtype, q.device),
+        num_warps=warps,
+        num_stages=2,
     )
     return out
 
 
-def extend_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_buf: torch.Tensor,
-                               v_buf: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                               prefix_lens: torch.Tensor, extend_lens: torch.Tensor, extend_start: torch.Tensor,
-                               scale: float) -> torch.Tensor:
+def extend_attention_reference(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    extend_start: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Plain torch, one request at a time, float32 math: dense causal attention over prefix + new tokens."""
     out = torch.empty_like(q)
     group = q.shape[1] // k_buf.shape[1]
-    for row, p, n, s in zip(req_pool_indices.tolist(), prefix_lens.tolist(), extend_lens.tolist(),
-                            extend_start.tolist()):
+    for row, p, n, s in zip(
+        req_pool_indices.tolist(), prefix_lens.tolist(), extend_lens.tolist(), extend_start.tolist()
+    ):
         if n == 0:
             continue
         slots = req_to_token[row, :p].long()
-        k = torch.cat([k_buf[slots].float(), k_new[s:s + n].float()]).repeat_interleave(group, dim=1)
-        v = torch.cat([v_buf[slots].float(), v_new[s:s + n].float()]).repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[s:s + n].float(), k) * scale
+        k = torch.cat([k_buf[slots].float(), k_new[s : s + n].float()]).repeat_interleave(group, dim=1)
+        v = torch.cat([v_buf[slots].float(), v_new[s : s + n].float()]).repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[s : s + n].float(), k) * scale
         visible = torch.arange(p + n, device=q.device)[None, :] <= torch.arange(p, p + n, device=q.device)[:, None]
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-        out[s:s + n] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+        out[s : s + n] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
     return out

@@ -12,6 +12,7 @@ multiply; the sum x + r is rounded before it is normalized; silu(gate) is rounde
 in float32 the results equal torch's up to the order of the mean's summation. Every kernel takes one row per
 program (rows of up to 16K elements fit one block). Inputs may be row-strided views (last dim contiguous).
 """
+
 from __future__ import annotations
 
 from typing import Tuple
@@ -24,8 +25,22 @@ from kernels.triton import pdl
 
 
 @triton.jit
-def _rmsnorm_kernel(X, R, Y, S, W, stride_x, stride_r, stride_y, stride_s, N, eps,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _rmsnorm_kernel(
+    X,
+    R,
+    Y,
+    S,
+    W,
+    stride_x,
+    stride_r,
+    stride_y,
+    stride_s,
+    N,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -56,23 +71,52 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     n = x2.shape[1]
     if x2.shape[0]:
-        _rmsnorm_kernel[(x2.shape[0],)](x2, x2, y, y, weight, x2.stride(0), 0, y.stride(0), 0, n, eps,
-                                        HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(n),
-                                        num_warps=_warps(n), **pdl.launch_args(x.device))
+        _rmsnorm_kernel[(x2.shape[0],)](
+            x2,
+            x2,
+            y,
+            y,
+            weight,
+            x2.stride(0),
+            0,
+            y.stride(0),
+            0,
+            n,
+            eps,
+            HAS_RESIDUAL=False,
+            BLOCK=triton.next_power_of_2(n),
+            num_warps=_warps(n),
+            **pdl.launch_args(x.device),
+        )
     return y.view(x.shape)
 
 
-def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                      eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """x, residual (T, N) -> (rmsnorm(x + residual), x + residual), both new (T, N) tensors in x's dtype."""
     x2, r2 = _rows(x), _rows(residual)
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     s = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     n = x2.shape[1]
     if x2.shape[0]:
-        _rmsnorm_kernel[(x2.shape[0],)](x2, r2, y, s, weight, x2.stride(0), r2.stride(0), y.stride(0), s.stride(0),
-                                        n, eps, HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(n),
-                                        num_warps=_warps(n), **pdl.launch_args(x.device))
+        _rmsnorm_kernel[(x2.shape[0],)](
+            x2,
+            r2,
+            y,
+            s,
+            weight,
+            x2.stride(0),
+            r2.stride(0),
+            y.stride(0),
+            s.stride(0),
+            n,
+            eps,
+            HAS_RESIDUAL=True,
+            BLOCK=triton.next_power_of_2(n),
+            num_warps=_warps(n),
+            **pdl.launch_args(x.device),
+        )
     return y.view(x.shape), s.view(x.shape)
 
 
@@ -97,16 +141,33 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty((x2.shape[0], d), dtype=x.dtype, device=x.device)
     block = min(2048, triton.next_power_of_2(d))
     if x2.shape[0]:
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](x2, y, x2.stride(0), y.stride(0), d,
-                                                                  BLOCK=block, num_warps=4,
-                                                                  **pdl.launch_args(x.device))
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
+            x2, y, x2.stride(0), y.stride(0), d, BLOCK=block, num_warps=4, **pdl.launch_args(x.device)
+        )
     return y.view(*x.shape[:-1], d)
 
 
 @triton.jit
-def _rope_kernel(Q, K, QO, KO, COS, SIN, stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st,
-                 H: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
-                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr):
+def _rope_kernel(
+    Q,
+    K,
+    QO,
+    KO,
+    COS,
+    SIN,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_ct,
+    stride_st,
+    H: tl.constexpr,
+    HKV: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
     mask_d = offs_d < HALF
@@ -148,10 +209,27 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     ko = torch.empty((T, hkv, D), dtype=k.dtype, device=k.device)
     if T:
         half = D // 2
-        _rope_kernel[(T,)](q, k, qo, ko, cos2, sin2, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                           cos2.stride(0), sin2.stride(0), H=H, HKV=hkv, HALF=half,
-                           BLOCK_H=triton.next_power_of_2(max(H, hkv)), BLOCK_HALF=triton.next_power_of_2(half),
-                           num_warps=4, **pdl.launch_args(q.device))
+        _rope_kernel[(T,)](
+            q,
+            k,
+            qo,
+            ko,
+            cos2,
+            sin2,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            cos2.stride(0),
+            sin2.stride(0),
+            H=H,
+            HKV=hkv,
+            HALF=half,
+            BLOCK_H=triton.next_power_of_2(max(H, hkv)),
+            BLOCK_HALF=triton.next_power_of_2(half),
+            num_warps=4,
+            **pdl.launch_args(q.device),
+        )
     return qo, ko
 
 
@@ -168,14 +246,20 @@ def _kv_indices_kernel(Req_to_token, Req_pool_indices, Seq_lens, Indptr, Out, st
         tl.store(Out + dst + offs, slots.to(tl.int32), mask=mask)
 
 
-def build_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                     kv_indptr: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def build_kv_indices(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    out: torch.Tensor,
+) -> torch.Tensor:
     """Flatten each request's KV slots: out[kv_indptr[i] + j] = req_to_token[req_pool_indices[i], j] for
     j < seq_lens[i]. kv_indptr (bs + 1,) int32 on the device; out (>= kv_indptr[-1],) int32. Returns out."""
     bs = req_pool_indices.shape[0]
     if bs:
-        _kv_indices_kernel[(bs,)](req_to_token, req_pool_indices, seq_lens, kv_indptr, out, req_to_token.stride(0),
-                                  BLOCK=512, num_warps=4)
+        _kv_indices_kernel[(bs,)](
+            req_to_token, req_pool_indices, seq_lens, kv_indptr, out, req_to_token.stride(0), BLOCK=512, num_warps=4
+        )
     return out
 
 

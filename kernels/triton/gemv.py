@@ -19,6 +19,7 @@ Numerics: products and sums in float32, one rounding to x's dtype at the end (as
 summation order is fixed by (BLOCK_N, BLOCK_K), which `pick_config` derives from (N, K) alone: the same
 product is summed the same way in every process and run (no autotuning), graphs on or off.
 """
+
 from __future__ import annotations
 
 import functools
@@ -38,9 +39,20 @@ class GemvConfig(NamedTuple):
 
 
 @triton.jit
-def _gemv_kernel(X, W, B, Y, N, K, stride_wn,
-                 HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+def _gemv_kernel(
+    X,
+    W,
+    B,
+    Y,
+    N,
+    K,
+    stride_wn,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -101,8 +113,13 @@ def pick_config(n: int, k: int, dtype: torch.dtype) -> GemvConfig:
     return GemvConfig(block_n, block_k, warps)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-         out_dtype: Optional[torch.dtype] = None, config: Optional[GemvConfig] = None) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+    config: Optional[GemvConfig] = None,
+) -> torch.Tensor:
     """x (1, K) or (K,), weight (N, K) with contiguous rows, bias (N,) -> (1, N) (or (N,)).
 
     The result is rounded to x's dtype, then stored as `out_dtype` (default x's dtype): F.linear(x, w).float()
@@ -119,9 +136,20 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = N
     cfg = config or pick_config(n, k, weight.dtype)
     y = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x2, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, **pdl.launch_args(x.device))
+        x2,
+        weight,
+        bias if bias is not None else weight,
+        y,
+        n,
+        k,
+        weight.stride(0),
+        HAS_BIAS=bias is not None,
+        EVEN_K=k % cfg.block_k == 0,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+        **pdl.launch_args(x.device),
+    )
     return y.view(n) if squeeze else y
 
 

@@ -14,6 +14,7 @@ the whole chain: the previous kernel itself waited for its own predecessor befor
 Off (plain launches, `USE_PDL=False`) on CPU, under Triton's interpreter, on GPUs before Hopper, or when
 `set_enabled(False)` (EngineConfig.disable_pdl).
 """
+
 from __future__ import annotations
 
 import functools

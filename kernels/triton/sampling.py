@@ -15,6 +15,7 @@ registers, one program per row, and breaks ties toward the lowest index like tor
 is the same int64 arithmetic as the torch code (values < 2^32, products < 2^63), so the noise is
 bit-identical up to the float32 log, which both sides take from CUDA's libdevice.
 """
+
 from __future__ import annotations
 
 import torch
@@ -43,7 +44,7 @@ def _gumbel_argmax_kernel(Logits, Keys, Out, stride_l, V, BLOCK: tl.constexpr):
         mask = offs < V
         logit = tl.load(Logits + row * stride_l + offs, mask=mask, other=float("-inf"))
         x = _mix32(_mix32(offs.to(tl.int64) ^ k1) ^ k2)
-        u = ((x >> 9).to(tl.float32) + 0.5) * (2.0 ** -23)
+        u = ((x >> 9).to(tl.float32) + 0.5) * (2.0**-23)
         val = logit - tl.log(-tl.log(u))
         val = tl.where(mask, val, float("-inf"))
         better = val > best_val  # strict: an earlier block keeps ties
@@ -89,8 +90,9 @@ def argmax(logits: torch.Tensor, block: int = 2048) -> torch.Tensor:
     chunks = triton.cdiv(vocab, block)
     mid_val = torch.empty((bs, chunks), dtype=torch.float32, device=logits.device)
     mid_idx = torch.empty((bs, chunks), dtype=torch.int32, device=logits.device)
-    _argmax_chunks_kernel[(bs, chunks)](logits, mid_val, mid_idx, logits.stride(0), vocab, chunks, BLOCK=block,
-                                        num_warps=4)
+    _argmax_chunks_kernel[(bs, chunks)](
+        logits, mid_val, mid_idx, logits.stride(0), vocab, chunks, BLOCK=block, num_warps=4
+    )
     _argmax_merge_kernel[(bs,)](mid_val, mid_idx, out, chunks, BLOCK=triton.next_power_of_2(chunks), num_warps=1)
     return out
 
@@ -101,6 +103,7 @@ def gumbel_argmax(logits: torch.Tensor, row_keys: torch.Tensor) -> torch.Tensor:
     assert logits.dtype == torch.float32 and logits.stride(1) == 1
     out = torch.empty(bs, dtype=torch.int64, device=logits.device)
     if bs:
-        _gumbel_argmax_kernel[(bs,)](logits, row_keys.contiguous(), out, logits.stride(0), vocab, BLOCK=2048,
-                                     num_warps=8)
+        _gumbel_argmax_kernel[(bs,)](
+            logits, row_keys.contiguous(), out, logits.stride(0), vocab, BLOCK=2048, num_warps=8
+        )
     return out
