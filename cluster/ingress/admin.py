@@ -8,7 +8,7 @@
     POST /admin/replicas/{id}/drain           {"remove": false}: stop routing to it, let its requests finish
                                               (remove: then stop it and shrink the pool by one)
     POST /admin/replicas/{id}/undrain         route to it again
-    GET  /dashboard/                          static page (HTML + JS + CSS of cluster/dashboard/, no build step,
+    GET  /dashboard/                          static page (HTML + JS + CSS of cluster/ingress/dashboard/, no build step,
                                               nothing from a CDN); it holds no data: every figure and every
                                               action goes through /admin/* with the admin key
 
@@ -16,7 +16,7 @@ Auth: every /admin route needs `Authorization: Bearer <admin_api_key>` and answe
 the user API key is not accepted, and without an admin_api_key configured every admin route is 401.
 The checks run as a router-level dependency, before the body is read.
 
-Each call is one RPC to the router deployment, where the PoolScaler (cluster/scaling.py) lives; its
+Each call is one RPC to the router deployment, where the PoolScaler (cluster/scaling/loop.py) lives; its
 AdminError keeps its HTTP status (404 unknown pool or replica, 409 conflicts, 400 bad bounds).
 `PoolMetrics` exports the same figures at /metrics, labelled by pool (and replica), refreshed by a
 small ASGI middleware before each /metrics scrape.
@@ -34,7 +34,7 @@ from ray.exceptions import RayTaskError
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from cluster.scaling_models import AdminError, ClusterPools, DrainRequest, PoolStatus, ReplicaStatus, ScaleRequest
+from cluster.scaling.models import AdminError, ClusterPools, DrainRequest, PoolStatus, ReplicaStatus, ScaleRequest
 from serving.errors import APIError
 
 DASHBOARD_DIR = pathlib.Path(__file__).parent / "dashboard"

@@ -8,7 +8,7 @@
           4. apply: a larger target is published at once; a smaller one first drains the replica
              Serve will stop (the newest routable one), then is published
           5. history: one PoolSample per pool per second (the dashboard's charts)
-    admin API (cluster/admin.py, through RouterDeployment) ─▶ status / scale / drain / undrain
+    admin API (cluster/ingress/admin.py, through RouterDeployment) ─▶ status / scale / drain / undrain
 
 Drain, exactly: the replica leaves its pool's routing set at once (the router's membership sync
 subtracts `excluded(pool)`, so no new request goes there; its approximate tree is dropped);
@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Literal, Optional, Set, Tuple
 
 from cluster import membership
 from cluster.latency import LatencyWindow, RequestTiming
-from cluster.scaling_models import (
+from cluster.scaling.models import (
     AdminError,
     ClusterPools,
     HistogramView,
@@ -42,7 +42,7 @@ from cluster.scaling_models import (
     ReplicaStatus,
     ScaleRequest,
 )
-from cluster.scaling_policy import PoolController, PoolSignals, ScalingConfig, p90, publish_target
+from cluster.scaling.policy import PoolController, PoolSignals, ScalingConfig, p90, publish_target
 
 logger = logging.getLogger("ray.serve")
 

@@ -1,6 +1,6 @@
 """Pool sizing: the decision (PoolController) and how it reaches Ray Serve (FollowPoolTarget).
 
-    RouterDeployment control loop (cluster/scaling.py, PoolScaler.step)
+    RouterDeployment control loop (cluster/scaling/loop.py, PoolScaler.step)
         PoolSignals (waiting, KV usage, TTFT / ITL p90, ready replicas) ─▶ PoolController.decide
         operator settings (admin API: replicas, or autoscaling bounds)  ─▶ PoolController
         target ─▶ publish_target(nonce, deployment, n)      (Ray's internal KV, namespace "radixserve")

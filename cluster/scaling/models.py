@@ -6,7 +6,7 @@ from typing import Any, Dict, List, Literal, Optional, Tuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from cluster.scaling_policy import REPLICA_CAP
+from cluster.scaling.policy import REPLICA_CAP
 
 
 class AdminError(Exception):

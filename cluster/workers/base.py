@@ -1,4 +1,4 @@
-"""Worker: one engine.Engine per Serve replica (the unified pool), streaming to each ingress in batches.
+"""WorkerBase: what every pool's replica has — one engine.Engine, streaming to each ingress in batches.
 
     ingress ──outputs(ingress_id, replica_id), streamed, pinned──▶ Worker.outputs: ONE long-lived stream
         ◀── List[WorkerItem] per message: every request of that ingress here, everything the engine
@@ -32,6 +32,7 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Set
 from ray import serve
 
 logger = logging.getLogger("ray.serve")
+
 
 MAX_EARLY_ABORTS = 4096
 
@@ -204,38 +205,3 @@ class WorkerBase:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
-
-
-class Worker(WorkerBase):
-    """A replica of the unified pool: prefills and decodes its requests."""
-
-    async def submit(self, input_ids: List[int], params: Any, rid: str, ingress_id: str, replica_id: str) -> None:
-        """Start a request; its outputs go to the stream of `ingress_id`. Raises (before anything runs)
-        when the request is invalid or the call reached the wrong replica."""
-        self._check_replica(replica_id)
-        if self._aborted_before_submit(rid):
-            return
-        channel = self._channel(ingress_id)
-        self._served.append(rid)
-        start, first, open_choices = time.perf_counter(), [True], [params.n]
-
-        def deliver(item: Any) -> None:  # on this replica's event loop, once per output, in order
-            if isinstance(item, BaseException):
-                channel.rids.discard(rid)
-                channel.put(WorkerItem(rid, error=item))
-                return
-            if first[0]:
-                first[0] = False
-                self._count_first_output(start)
-            if item.finish_reason is not None:
-                open_choices[0] -= 1
-                if open_choices[0] == 0:
-                    channel.rids.discard(rid)
-            channel.put(WorkerItem(rid, output=item))
-
-        channel.rids.add(rid)
-        try:
-            self.engine.submit(input_ids, params, deliver, rid=rid)
-        except BaseException:
-            channel.rids.discard(rid)
-            raise

@@ -1,4 +1,4 @@
-"""Ingress: the HTTP front of the cluster — serving's OpenAI app over a ClusterBackend.
+"""ClusterBackend: the ingress's ServingBackend, whose requests run on the worker the router chose.
 
     HTTP ─▶ serving.build_app routes (validate, chat template, tokenize ONCE)
          ─▶ ClusterBackend.generate_stream(input_ids, params, rid)
@@ -19,49 +19,27 @@ the router deployment), so they scale freely.
 """
 
 import asyncio
-import contextvars
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 
-from fastapi import FastAPI
-from prometheus_client.core import GaugeMetricFamily
-from ray import serve
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
+from ray.exceptions import ActorDiedError, ActorUnavailableError
 
 from cluster.latency import IngressLatency, RequestClock
 from cluster.router.policies import NoWorkersError
-from cluster.worker import WorkerItem, WrongReplicaError
+from cluster.rpc import STREAM_OPTIONS, awaited, detached, unwrap
+from cluster.workers.base import WorkerItem, WrongReplicaError
 from engine.text import OutputText
 from serving.backend import ServingBackend
 from serving.errors import APIError
 
+
 _RPC_TIMEOUT_S = 120.0
+
+
 MAX_ROUTE_ATTEMPTS = 3
 """Routings per request while its worker is gone before it streamed anything."""
-
-STREAM_OPTIONS = {"stream": True, "_by_reference": False}
-"""Handle options of the batched streams from workers: each message goes over Serve's gRPC transport
-instead of through the object store (about twice the messages per second)."""
-
-
-async def _awaited(call: Any) -> Any:
-    """The result of a DeploymentResponse, as a coroutine (so that it can run as a task)."""
-    return await call
-
-
-def _detached(fn: Callable[[], Any]) -> Any:
-    """fn() run outside the current request's context. Serve cancels the calls an ingress request has in
-    flight when that request is cancelled (a client disconnect); a stream that serves many requests, and
-    the calls that clean up after one (abort, finish), must not be among them."""
-    return contextvars.Context().run(fn)
-
-
-def _unwrap(exc: BaseException) -> BaseException:
-    """The exception raised inside a replica (engine errors keep their type and message)."""
-    cause = getattr(exc, "cause", None) if isinstance(exc, RayTaskError) else None
-    return cause if isinstance(cause, BaseException) else exc
 
 
 def _worker_gone(exc: BaseException) -> bool:
@@ -81,7 +59,7 @@ class WorkerStream:
         self.queues: Dict[str, asyncio.Queue] = {}
         self.error: Optional[BaseException] = None
         self._on_end = on_end
-        self._gen, self._task = _detached(lambda: self._start(workers, ingress_id))
+        self._gen, self._task = detached(lambda: self._start(workers, ingress_id))
 
     def _start(self, workers: Any, ingress_id: str) -> tuple:
         gen = workers.options(session_id=self.worker_id, **STREAM_OPTIONS).outputs.remote(ingress_id, self.worker_id)
@@ -108,7 +86,7 @@ class WorkerStream:
         except asyncio.CancelledError:
             error = ActorUnavailableError(f"the stream from worker {self.worker_id} was cancelled")
         except Exception as exc:  # noqa: BLE001 - handed to every request on this worker
-            error = _unwrap(exc)
+            error = unwrap(exc)
         self.error = error
         self._on_end(self)
         for rid, queue in list(self.queues.items()):
@@ -160,14 +138,14 @@ class ClusterBackend(ServingBackend):
         (client disconnect: cancelled; or the bound ran out), the decision may still come: `finish(decision)`
         then runs when it does, so the router does not count a request that never ran."""
         start = time.perf_counter()
-        task = asyncio.ensure_future(_awaited(call))
+        task = asyncio.ensure_future(awaited(call))
         try:
             decision = await asyncio.wait_for(asyncio.shield(task), _RPC_TIMEOUT_S)
         except BaseException as exc:
             task.add_done_callback(lambda t: t.cancelled() or t.exception() is not None or finish(t.result()))
             if not isinstance(exc, Exception):
                 raise
-            exc = _unwrap(exc)
+            exc = unwrap(exc)
             if isinstance(exc, NoWorkersError):
                 raise APIError(503, f"no worker replica is available: {exc}", None, "no_workers") from None
             raise exc
@@ -209,7 +187,7 @@ class ClusterBackend(ServingBackend):
                     yield out
                 return
             except Exception as exc:  # noqa: BLE001 - a worker that left before streaming: route again
-                cause = _unwrap(exc)
+                cause = unwrap(exc)
                 if progress.streamed or attempt == MAX_ROUTE_ATTEMPTS or not _worker_gone(cause):
                     raise cause from None
                 await self._report_dead(worker_id)
@@ -259,13 +237,13 @@ class ClusterBackend(ServingBackend):
 
     def _on_failure(self, call: Any, rid: str, queue: "asyncio.Queue[WorkerItem]") -> None:
         """A submit that raises (invalid request, wrong replica) ends the request with its error."""
-        task = asyncio.ensure_future(_awaited(call))
+        task = asyncio.ensure_future(awaited(call))
         self._sent.add(task)
 
         def done(t: "asyncio.Task") -> None:
             self._sent.discard(t)
             if not t.cancelled() and t.exception() is not None:
-                queue.put_nowait(WorkerItem(rid, error=_unwrap(t.exception())))
+                queue.put_nowait(WorkerItem(rid, error=unwrap(t.exception())))
 
         task.add_done_callback(done)
 
@@ -293,7 +271,7 @@ class ClusterBackend(ServingBackend):
     def _send(self, make_call: Callable[[], Any]) -> None:
         """Make a call and let it run without awaiting its answer (referenced until it completes), outside
         the request's context: it must happen even when the request is being cancelled."""
-        task = _detached(lambda: asyncio.ensure_future(_awaited(make_call())))
+        task = detached(lambda: asyncio.ensure_future(awaited(make_call())))
         self._sent.add(task)
         task.add_done_callback(self._sent.discard)
 
@@ -322,109 +300,3 @@ class ClusterBackend(ServingBackend):
             return bool((await self.cluster_stats()).workers)
         except Exception:  # noqa: BLE001 - any failure means unhealthy
             return False
-
-
-class WorkerGauges:
-    """Prometheus collector: per-worker gauges from the backend's last ClusterStats (refreshed at
-    each /metrics scrape before rendering), labelled by pool and replica."""
-
-    _GAUGES = (
-        ("running", "radixserve_worker_num_requests_running", "Requests in the worker's running batch."),
-        ("waiting", "radixserve_worker_num_requests_waiting", "Requests in the worker's waiting queue."),
-        ("kv_usage", "radixserve_worker_kv_cache_usage_ratio", "Worker KV pool share held by requests."),
-        ("cache_hit_rate", "radixserve_worker_prefix_cache_hit_rate", "Worker cached / prompt tokens."),
-        ("prompt_tokens", "radixserve_worker_prompt_tokens", "Prompt tokens the worker processed."),
-        ("cached_tokens", "radixserve_worker_cached_prompt_tokens", "Prompt tokens served from its cache."),
-        ("generated_tokens", "radixserve_worker_generation_tokens", "Tokens the worker generated."),
-    )
-    _ROUTER = (
-        ("routed_requests", "radixserve_router_routed_requests", "Requests the router sent to the worker."),
-        ("matched_tokens", "radixserve_router_matched_tokens", "Prompt tokens the router's tree held."),
-        ("tree_tokens", "radixserve_router_tree_tokens", "Tokens in the router's tree of the worker."),
-        ("in_flight", "radixserve_router_in_flight_requests", "Requests routed and not finished."),
-    )
-
-    def __init__(self, backend: ClusterBackend, model_name: str):
-        self.backend, self.model_name = backend, model_name
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        s = self.backend.last_stats
-        labels = ["model_name", "pool", "replica"]
-        families = []
-        for key, name, doc in self._GAUGES + self._ROUTER:
-            g = GaugeMetricFamily(name, doc, labels=labels)
-            for wid, w in s.workers.items() if s is not None else ():
-                value = w.engine.get(key, 0.0) if (key, name, doc) in self._GAUGES else getattr(w, key)
-                g.add_metric([self.model_name, w.pool, wid], float(value))
-            families.append(g)
-        lat = GaugeMetricFamily(
-            "radixserve_router_decision_latency_ms", "Routing decision time in the router.", labels=["quantile"]
-        )
-        for q in ("p50", "p99"):
-            lat.add_metric([q], float(s.route_latency_ms.get(q, 0.0)) if s is not None else 0.0)
-        families.append(lat)
-        return families
-
-
-@serve.ingress()
-class Ingress:
-    """The HTTP entry point; routes come from serving.build_app (no protocol code here)."""
-
-    async def __init__(
-        self,
-        router,
-        workers,
-        model: Optional[str],
-        model_name: str,
-        api_key: Optional[str],
-        max_body_bytes: int,
-        admin_api_key: Optional[str] = None,
-        mode: str = "unified",
-        tokenizer_source: Optional[str] = None,
-        prefill=None,
-    ):
-        """`workers`: the unified pool's handle, or the decode pool's (mode="disaggregated"); `prefill`: the
-        prefill pool's handle when the ingress starts prompts there (disaggregated, early_prefill)."""
-        from engine.models.source import resolve_model
-        from engine.tokenizer import load_tokenizer
-
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.model_name, self.api_key, self.max_body_bytes = model_name, api_key, max_body_bytes
-        self.admin_api_key = admin_api_key
-        tokenizer = await asyncio.to_thread(load_tokenizer, resolve_model(tokenizer_source or model))
-        info = await asyncio.wait_for(workers.info.remote(), 600)  # waits for a first worker to be up
-        if mode == "disaggregated":
-            from cluster.disaggregated import DisaggregatedBackend
-
-            self.backend = DisaggregatedBackend(
-                router, workers, tokenizer, info.context_len, info.vocab_size, prefill=prefill
-            )
-        else:
-            self.backend = ClusterBackend(router, workers, tokenizer, info.context_len, info.vocab_size)
-
-    def __serve_build_asgi_app__(self) -> FastAPI:
-        from cluster.admin import install_admin
-        from serving.app import build_app
-
-        app = build_app(
-            self.backend,
-            api_key=self.api_key,
-            model_name=self.model_name,
-            max_body_bytes=self.max_body_bytes,
-            title="radixserve cluster",
-        )
-        app.state.serving.metrics.registry.register(WorkerGauges(self.backend, self.model_name))
-        install_admin(app, self.backend.router, self.admin_api_key, self.model_name)  # /admin, /dashboard
-        backend, replica_id = self.backend, self.replica_id
-
-        @app.get("/router/stats")
-        async def router_stats() -> Dict[str, Any]:
-            s = await backend.cluster_stats()
-            out = s.model_dump()
-            out["ingress"] = {"replica": replica_id, **backend.latency.snapshot()}
-            return out
-
-        return app

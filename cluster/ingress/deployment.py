@@ -1,0 +1,71 @@
+"""Ingress: the HTTP front of the cluster — serving's OpenAI app over a ClusterBackend (or, in mode=disaggregated,
+a DisaggregatedBackend), the admin API and dashboard, /router/stats and the per-worker gauges."""
+
+import asyncio
+from typing import Any, Dict, Optional
+
+from fastapi import FastAPI
+from ray import serve
+
+from cluster.ingress.backend import ClusterBackend
+from cluster.ingress.disaggregated import DisaggregatedBackend
+from cluster.ingress.metrics import WorkerGauges
+
+
+@serve.ingress()
+class Ingress:
+    """The HTTP entry point; routes come from serving.build_app (no protocol code here)."""
+
+    async def __init__(
+        self,
+        router,
+        workers,
+        model: Optional[str],
+        model_name: str,
+        api_key: Optional[str],
+        max_body_bytes: int,
+        admin_api_key: Optional[str] = None,
+        mode: str = "unified",
+        tokenizer_source: Optional[str] = None,
+        prefill=None,
+    ):
+        """`workers`: the unified pool's handle, or the decode pool's (mode="disaggregated"); `prefill`: the
+        prefill pool's handle when the ingress starts prompts there (disaggregated, early_prefill)."""
+        from engine.models.source import resolve_model
+        from engine.tokenizer import load_tokenizer
+
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.model_name, self.api_key, self.max_body_bytes = model_name, api_key, max_body_bytes
+        self.admin_api_key = admin_api_key
+        tokenizer = await asyncio.to_thread(load_tokenizer, resolve_model(tokenizer_source or model))
+        info = await asyncio.wait_for(workers.info.remote(), 600)  # waits for a first worker to be up
+        if mode == "disaggregated":
+            self.backend = DisaggregatedBackend(
+                router, workers, tokenizer, info.context_len, info.vocab_size, prefill=prefill
+            )
+        else:
+            self.backend = ClusterBackend(router, workers, tokenizer, info.context_len, info.vocab_size)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        from cluster.ingress.admin import install_admin
+        from serving.app import build_app
+
+        app = build_app(
+            self.backend,
+            api_key=self.api_key,
+            model_name=self.model_name,
+            max_body_bytes=self.max_body_bytes,
+            title="radixserve cluster",
+        )
+        app.state.serving.metrics.registry.register(WorkerGauges(self.backend, self.model_name))
+        install_admin(app, self.backend.router, self.admin_api_key, self.model_name)  # /admin, /dashboard
+        backend, replica_id = self.backend, self.replica_id
+
+        @app.get("/router/stats")
+        async def router_stats() -> Dict[str, Any]:
+            s = await backend.cluster_stats()
+            out = s.model_dump()
+            out["ingress"] = {"replica": replica_id, **backend.latency.snapshot()}
+            return out
+
+        return app

@@ -1,0 +1,10 @@
+"""The worker replicas: one engine.Engine each.
+
+base.py           WorkerBase: the ingress streams (OutputChannel), aborts, reports, health
+unified.py        Worker: the unified pool
+prefill.py        PrefillWorker: computes prompts, writes their KV into decode replicas
+early_prefill.py  StartedPrompts: prompts the ingress started before their decode replica's call
+decode.py         DecodeWorker: reserves pages, has a prefill replica fill them, decodes
+handoff.py        what crosses between prefill and decode replicas (light: the ingress imports it)
+kv_endpoint.py    a replica's KV transfer backend over its engine's pool
+"""

@@ -1,0 +1,85 @@
+"""The KV handoff between a prefill and a decode replica: what crosses between them and the counters the decode
+side keeps (docs/disaggregation.md). The transfer endpoint both sides own is workers/kv_endpoint.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the types stay light to import: the ingress imports them, torch is not needed there
+    import numpy as np
+
+    from cluster.kv_transfer import PeerInfo
+
+
+PREFILL_CALL_TIMEOUT_S = 600.0
+"""Bound on one prefill call (queueing + compute + transfer)."""
+
+
+class PrefillFailedError(RuntimeError):
+    """The remote prefill of a request failed (the prefill replica died, refused, or the transfer failed
+    or timed out). Raised by the decode replica before any token was produced, so the request may be
+    retried. `prefill_dead`: the prefill replica is gone."""
+
+    def __init__(self, message: str, prefill_id: str, prefill_dead: bool):
+        super().__init__(message)
+        self.prefill_id, self.prefill_dead = prefill_id, prefill_dead
+
+    def __reduce__(self):
+        return (PrefillFailedError, (str(self), self.prefill_id, self.prefill_dead))
+
+
+@dataclass(frozen=True)
+class TransferTarget:
+    """Decode side → prefill side: where and how to write the prompt's KV."""
+
+    replica_id: str
+    """The prefill replica the decode side expects to write (refused by any other)."""
+    peer: PeerInfo
+    """The decode replica's transfer endpoint."""
+    prefix_len: int
+    """Positions [0, prefix_len) are cached on the decode side; [prefix_len, prompt_len) are written."""
+    dst_pages: np.ndarray
+    """(pages,) int64 decode-pool page ids of positions [prefix_len, prompt_len)."""
+    transfer_id: str
+    early_key: str = ""
+    """The key under which the ingress started this prompt on the prefill replica ("" if it did not)."""
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """Prefill side → decode side: the engine's PrefillHandoff and where the prefill call's time went."""
+
+    handoff: Any
+    """engine.scheduler.handoff.PrefillHandoff (first token, logprobs)."""
+    compute_s: float
+    """Queueing and computing the prompt in the prefill engine, from the call's arrival (a prompt the
+    ingress started earlier counts only its part after that)."""
+    transfer_s: float
+    """Writing the KV into the decode replica's pages, until the writer's handle is done."""
+    entered_at: float
+    left_at: float
+    """Wall clock (time.time()) when the call started and ended on the prefill replica: with the decode
+    side's own clock they split the call's transport time into out and back (exact on one host, to NTP
+    accuracy across hosts)."""
+
+
+HANDOFF_COUNTERS = (
+    "handoff_requests",
+    "handoff_notified",
+    "handoff_reserve_s",
+    "handoff_ready_s",
+    "handoff_calls",
+    "handoff_call_s",
+    "handoff_prefill_compute_s",
+    "handoff_prefill_transfer_s",
+    "handoff_call_out_s",
+    "handoff_call_back_s",
+)
+"""Decode replicas' handoff counters (sums, in the stats they report). Per successful handoff
+(handoff_requests): request arrival → pages reserved (reserve); prefill call made → first token and KV
+here (ready: the critical path; handoff_notified counts those that went on when the KV's completion
+notice brought the handoff, before the call returned). Per returned prefill call (handoff_calls): the
+call (compute + transfer + call overheads), and of it the transport out (call made → running on the
+prefill replica) and back (returned there → result here). Overhead over a unified TTFT ≈ reserve +
+ready − compute."""

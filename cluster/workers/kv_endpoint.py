@@ -1,0 +1,34 @@
+"""KVEndpoint: the KV transfer backend (cluster.kv_transfer) of a prefill or decode replica, over its engine's KV
+pool, and the message that carries a PrefillHandoff with the KV."""
+
+import dataclasses
+import pickle
+from typing import Any
+
+import numpy as np
+
+from cluster.kv_transfer import MAX_MESSAGE_BYTES, PeerInfo, kv_pool_buffers, make_backend
+
+
+def handoff_message(handoff: Any) -> bytes:
+    """The PrefillHandoff as the message that travels with its KV (without the source page ids, which only
+    the prefill side needs), so that the decode side can go on as soon as the bytes have landed instead of
+    when the prefill call returns; b"" when it does not fit one (large prompt_logprobs): the decode side
+    then takes the handoff from the call's result."""
+    message = pickle.dumps(dataclasses.replace(handoff, src_pages=np.empty(0, dtype=np.int64)))
+    return message if len(message) <= MAX_MESSAGE_BYTES else b""
+
+
+class KVEndpoint:
+    """Mixin: a worker replica's KV transfer backend over its engine's KV pool."""
+
+    def _init_transfer(self, role: str, backend: str, timeout_s: float) -> None:
+        runner = self.engine.runner
+        self.transfer_timeout_s = timeout_s
+        self.transfer = make_backend(
+            backend, f"{role}-{self.replica_id}", kv_pool_buffers(runner.kv_pool), self.engine.config.page_size
+        )
+
+    async def kv_info(self) -> PeerInfo:
+        """This replica's transfer endpoint (PeerInfo)."""
+        return self.transfer.info()
