@@ -8,13 +8,11 @@ building them per transfer costs ~0.01 ms. Our Python around a write keeps to a 
 
 Worker threads: the UCX backend runs as NIXL's thread-pool engine (`num_threads` dedicated UCX
 workers, `split_batch_size` 1, so every WRITE is posted and progressed on a dedicated worker
-thread, which sleeps while no transfer is in flight). On NIXL's default path (shared worker,
-progress thread) a 64 MiB GPU0→GPU1 WRITE ran at 65–78% of the torch copy, whatever the
-descriptors, READ or UCX knobs; on a dedicated worker at 100–107% (2× H200, same leases,
-NIXL's call sequence alone), and a whole write() of ours, one region, at 81–85% (2× H200,
-bench_kv_transfer; the rest is our Python before the post: validation, descriptors, ~40-50 µs
-there). The completion notice is sent when the writer's poll sees the data done. Known: a WRITE
-to a peer that died leaves one UCX request object unreturned on this path (UCX warns at exit).
+thread, which sleeps while no transfer is in flight): on NIXL's default path (shared worker,
+progress thread) a large GPU0→GPU1 WRITE stays well below the copy bandwidth whatever the
+descriptors, READ or UCX knobs, and on a dedicated worker it reaches it (benchmarks/README.md,
+KV transfer). The completion notice is sent when the writer's poll sees the data done. Known: a
+WRITE to a peer that died leaves one UCX request object unreturned on this path (UCX warns at exit).
 
     writer (prefill)                                   receiver (decode)
     write(peer, src, dst, id) ── UCX WRITE ──────────▶ buffers[b][dst pages]
