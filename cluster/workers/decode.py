@@ -21,6 +21,7 @@ from cluster.rpc import awaited, is_dead, unwrap
 from cluster.workers.base import WorkerBase, WorkerItem, WrongReplicaError
 from cluster.workers.handoff import HANDOFF_COUNTERS, PREFILL_CALL_TIMEOUT_S, PrefillFailedError, TransferTarget
 from cluster.workers.kv_endpoint import KVEndpoint
+from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
 
@@ -48,7 +49,7 @@ class DecodeWorker(KVEndpoint, WorkerBase):
     async def submit_disaggregated(
         self,
         input_ids: List[int],
-        params: Any,
+        params: SamplingParams,
         rid: str,
         prefill_id: str,
         early_key: str,

@@ -19,7 +19,10 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+if TYPE_CHECKING:
+    from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
 
@@ -58,7 +61,7 @@ class StartedPrompts:
     def stats(self) -> Dict[str, float]:
         return {**self.counters, "early_prefill_held": len(self._started)}
 
-    def start(self, input_ids: List[int], params: Any, key: str) -> None:
+    def start(self, input_ids: List[int], params: SamplingParams, key: str) -> None:
         """Start computing the prompt under `key` (returns at once); ignored for a key seen before."""
         if key in self._started or key in self._ended:
             return
@@ -77,7 +80,7 @@ class StartedPrompts:
         if self._sweeper is None or self._sweeper.done():
             self._sweeper = asyncio.ensure_future(self._sweep_loop())
 
-    def claim(self, key: str, input_ids: List[int], params: Any) -> Optional[StartedPrompt]:
+    def claim(self, key: str, input_ids: List[int], params: SamplingParams) -> Optional[StartedPrompt]:
         """The prompt started under `key`, now the caller's (it must release the engine's hold), or None:
         none started, or started with other inputs (then dropped)."""
         started = self._pop(key)

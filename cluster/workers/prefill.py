@@ -9,6 +9,7 @@ from cluster.workers.base import WorkerBase, WrongReplicaError
 from cluster.workers.early_prefill import StartedPrompts
 from cluster.workers.handoff import PrefillResult, TransferTarget
 from cluster.workers.kv_endpoint import KVEndpoint, handoff_message
+from engine.sampling_params import SamplingParams
 
 
 class PrefillWorker(KVEndpoint, WorkerBase):
@@ -25,7 +26,9 @@ class PrefillWorker(KVEndpoint, WorkerBase):
     def _extra_stats(self) -> Dict[str, float]:
         return {**super()._extra_stats(), **self.started.stats()}
 
-    async def start_prefill(self, input_ids: List[int], params: Any, rid: str, key: str, replica_id: str) -> None:
+    async def start_prefill(
+        self, input_ids: List[int], params: SamplingParams, rid: str, key: str, replica_id: str
+    ) -> None:
         """Start computing a prompt that a decode replica's prefill call will claim under `key` (returns at
         once; see cluster.workers.early_prefill). Ignored when meant for another replica."""
         if replica_id == self.replica_id:
@@ -35,7 +38,9 @@ class PrefillWorker(KVEndpoint, WorkerBase):
         """The request of `key` ended without its prompt being claimed: drop it (no-op once claimed)."""
         self.started.forget(key)
 
-    async def prefill(self, input_ids: List[int], params: Any, rid: str, target: TransferTarget) -> Any:
+    async def prefill(
+        self, input_ids: List[int], params: SamplingParams, rid: str, target: TransferTarget
+    ) -> PrefillResult:
         """Compute the prompt (or claim the one the ingress started under target.early_key), write the KV of
         [target.prefix_len, prompt_len) into target.dst_pages, and return a PrefillResult with the engine's
         PrefillHandoff (first token and logprobs). The hold on this replica's pages is released whatever

@@ -4,12 +4,15 @@ import time
 from typing import Any, List
 
 from cluster.workers.base import WorkerBase, WorkerItem
+from engine.sampling_params import SamplingParams
 
 
 class Worker(WorkerBase):
     """A replica of the unified pool: prefills and decodes its requests."""
 
-    async def submit(self, input_ids: List[int], params: Any, rid: str, ingress_id: str, replica_id: str) -> None:
+    async def submit(
+        self, input_ids: List[int], params: SamplingParams, rid: str, ingress_id: str, replica_id: str
+    ) -> None:
         """Start a request; its outputs go to the stream of `ingress_id`. Raises (before anything runs)
         when the request is invalid or the call reached the wrong replica."""
         self._check_replica(replica_id)
