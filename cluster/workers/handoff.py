@@ -4,12 +4,13 @@ side keeps (docs/disaggregation.md). The transfer endpoint both sides own is wor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the types stay light to import: the ingress imports them, torch is not needed there
     import numpy as np
 
     from cluster.kv_transfer import PeerInfo
+    from engine.scheduler.handoff import PrefillHandoff
 
 
 PREFILL_CALL_TIMEOUT_S = 600.0
@@ -50,8 +51,8 @@ class TransferTarget:
 class PrefillResult:
     """Prefill side → decode side: the engine's PrefillHandoff and where the prefill call's time went."""
 
-    handoff: Any
-    """engine.scheduler.handoff.PrefillHandoff (first token, logprobs)."""
+    handoff: PrefillHandoff
+    """The engine's handoff: first token, its logprobs, the prompt's pages on the prefill side."""
     compute_s: float
     """Queueing and computing the prompt in the prefill engine, from the call's arrival (a prompt the
     ingress started earlier counts only its part after that)."""
