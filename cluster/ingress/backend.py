@@ -24,11 +24,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 
-from ray.exceptions import ActorDiedError, ActorUnavailableError
+from ray.exceptions import ActorUnavailableError
 
 from cluster.latency import IngressLatency, RequestClock
 from cluster.router.policies import NoWorkersError
-from cluster.rpc import STREAM_OPTIONS, awaited, detached, unwrap
+from cluster.rpc import STREAM_OPTIONS, awaited, detached, is_dead, unwrap
 from cluster.workers.base import WorkerItem, WrongReplicaError
 from engine.text import OutputText
 from serving.backend import ServingBackend
@@ -43,7 +43,7 @@ MAX_ROUTE_ATTEMPTS = 3
 
 
 def _worker_gone(exc: BaseException) -> bool:
-    return isinstance(exc, (ActorDiedError, ActorUnavailableError, WrongReplicaError))
+    return is_dead(exc) or isinstance(exc, WrongReplicaError)
 
 
 class WorkerStream:
