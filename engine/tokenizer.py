@@ -21,31 +21,29 @@ from engine.errors import InvalidRequestError, UnsupportedModelError
 from engine.models.source import ModelSource
 
 REPLACEMENT_CHAR = "\ufffd"
-# GGUF metadata keys that name tokens ending a turn (llama.cpp's eos / end-of-turn / end-of-message).
-_GGUF_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
 
 def load_tokenizer(source: ModelSource) -> "Tokenizer":
-    """The Tokenizer of `source`, cached per (folder, gguf_file) in this process.
+    """The Tokenizer of `source` (of a GGUF file: of its converted folder, engine.models.gguf_folder),
+    cached per folder in this process.
 
-    GGUF tokenizers are converted by transformers (a few seconds), hence the cache.
     Never touches the network: files must be local. Raises UnsupportedModelError when
     transformers cannot build a tokenizer from the files.
     """
-    return _load_cached(source.folder, source.gguf_file)
+    from engine.models.gguf_folder import converted_folder
+
+    return _load_cached(converted_folder(source) if source.is_gguf else source.folder)
 
 
 @functools.lru_cache(maxsize=16)
-def _load_cached(folder: str, gguf_file: Optional[str]) -> "Tokenizer":
+def _load_cached(folder: str) -> "Tokenizer":
     from transformers import AutoTokenizer  # heavy import: only when a tokenizer is needed
 
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     try:
-        hf = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kwargs)
+        hf = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
-        raise UnsupportedModelError(f"cannot load a tokenizer from {os.path.join(folder, gguf_file or '')}: {exc}")
-    extra = _gguf_eos_ids(os.path.join(folder, gguf_file)) if gguf_file else _generation_config_eos_ids(folder)
-    return Tokenizer(hf, extra_eos_ids=extra)
+        raise UnsupportedModelError(f"cannot load a tokenizer from {folder}: {exc}")
+    return Tokenizer(hf, extra_eos_ids=_generation_config_eos_ids(folder))
 
 
 def _generation_config_eos_ids(folder: str) -> list[int]:
@@ -56,14 +54,6 @@ def _generation_config_eos_ids(folder: str) -> list[int]:
     with open(path, encoding="utf-8") as f:
         eos = json.load(f).get("eos_token_id")
     return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-
-
-def _gguf_eos_ids(path: str) -> list[int]:
-    """Ids under the GGUF eos / eot / eom metadata keys (Llama-3 GGUFs end turns with eot)."""
-    from gguf import GGUFReader
-
-    fields = GGUFReader(path).fields
-    return [int(fields[k].parts[fields[k].data[0]][0]) for k in _GGUF_EOS_KEYS if k in fields]
 
 
 class Tokenizer:

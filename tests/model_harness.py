@@ -17,7 +17,7 @@ import transformers.modeling_gguf_pytorch_utils
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.memory.kv_pool import KVPool
 from kernels.attention.base import get_backend_class
-from engine.models.loader import cached_gguf_name_map
+from engine.models.gguf_folder import cached_gguf_name_map
 from engine.models.source import ModelSource
 
 

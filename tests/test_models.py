@@ -195,3 +195,46 @@ def test_incomplete_or_foreign_checkpoint_rejected(tiny_models):
         model.load_weights([("model.layers.0.self_attn.rotary.bogus", torch.zeros(1))])
     with pytest.raises(UnsupportedModelError, match="shape"):
         model.load_weights([("model.layers.0.self_attn.q_proj.weight", torch.zeros(3, 3))])
+
+
+def test_gguf_is_converted_once_to_an_identical_hf_folder(tmp_path, monkeypatch):
+    """The converted folder holds the GGUF file's exact dequantized tensors, its tokenizer (vocabulary, chat
+    template, eos ids) and config; an incomplete folder left by a crash is replaced, a complete one is reused."""
+    from safetensors import safe_open
+    from transformers import AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from engine.models import gguf_folder
+    from engine.models.gguf_folder import cached_gguf_name_map, converted_folder
+    from engine.models.source import resolve_model
+    from engine.tokenizer import Tokenizer, load_tokenizer
+
+    monkeypatch.setenv("RADIXSERVE_CACHE", str(tmp_path))
+    source = resolve_model(None)
+    folder = gguf_folder._folder_for(source.gguf_path)
+    os.makedirs(folder)
+    open(os.path.join(folder, "model.safetensors"), "w").close()  # a crash mid-conversion: no COMPLETE
+    assert converted_folder(source) == folder and os.path.isfile(os.path.join(folder, gguf_folder.COMPLETE))
+    assert not [e for e in os.listdir(os.path.dirname(folder)) if e.startswith(".converting-")]
+
+    config = load_config(source)
+    with torch.device("meta"):
+        names_model = AutoModelForCausalLM.from_config(config)
+    with cached_gguf_name_map():
+        direct = load_gguf_checkpoint(source.gguf_path, return_tensors=True, model_to_load=names_model)["tensors"]
+    with safe_open(os.path.join(folder, "model.safetensors"), framework="pt") as f:
+        assert sorted(f.keys()) == sorted(direct)
+        for name in direct:
+            stored = f.get_tensor(name)
+            assert stored.dtype == direct[name].dtype and torch.equal(stored, direct[name]), name
+
+    hf = AutoTokenizer.from_pretrained(source.folder, gguf_file=source.gguf_file, local_files_only=True)
+    tok = load_tokenizer(source)
+    assert tok.hf.get_vocab() == hf.get_vocab() and tok.hf.chat_template == hf.chat_template
+    assert tok.eos_token_ids == Tokenizer(hf, gguf_folder._gguf_eos_ids(source.gguf_path)).eos_token_ids == {2}
+    for text in ["The capital of France is", "naïve café — 東京 🙂\n\tdef f(x):", "<|im_start|>user\nhi<|im_end|>"]:
+        assert tok.encode(text) == list(hf.encode(text))
+
+    mtime = os.stat(os.path.join(folder, "model.safetensors")).st_mtime_ns
+    assert converted_folder(source) == folder  # complete: read as is
+    assert os.stat(os.path.join(folder, "model.safetensors")).st_mtime_ns == mtime

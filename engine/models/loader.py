@@ -1,9 +1,10 @@
 """Model loading: ModelSource -> HF config -> our model class -> weights on the device.
 
-load_config(source)                          config.json, or the GGUF file's metadata
+load_config(source)                          config.json (of a GGUF file: of its converted folder)
 load_model(source, config, format, ...)      build on meta, materialize on `device` in `dtype`, then
     "safetensors": stream every tensor of *.safetensors (sharded via model.safetensors.index.json)
-    "gguf":        dequantized tensors from transformers' GGUF loader (HF names, q/k un-permuted)
+    "gguf":        the dequantized tensors of the GGUF file's converted folder (engine.models.gguf_folder:
+                   converted once per machine by transformers' GGUF loader; HF names, q/k un-permuted)
     "dummy":       seeded random weights with the real shapes; no weight file is read
     "auto":        "gguf" for a GGUF source, else "safetensors"
 """
@@ -11,7 +12,6 @@ load_model(source, config, format, ...)      build on meta, materialize on `devi
 from __future__ import annotations
 
 import contextlib
-import functools
 import glob
 import json
 import os
@@ -22,6 +22,7 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from engine.errors import ModelNotFoundError, UnsupportedModelError
+from engine.models.gguf_folder import converted_folder
 from engine.models.registry import get_model_class
 from engine.models.source import ModelSource
 
@@ -30,16 +31,11 @@ _FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 def load_config(source: ModelSource) -> PretrainedConfig:
     """The model's transformers config; ModelNotFoundError / UnsupportedModelError with the reason."""
-    if source.is_gguf:
-        if not os.path.isfile(source.gguf_path):
-            raise ModelNotFoundError(f"GGUF file {source.gguf_path!r} does not exist")
-        kwargs = {"gguf_file": source.gguf_file}
-    else:
-        if not os.path.isfile(os.path.join(source.folder, "config.json")):
-            raise ModelNotFoundError(f"model folder {source.folder!r} has no config.json")
-        kwargs = {}
+    folder = converted_folder(source) if source.is_gguf else source.folder
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise ModelNotFoundError(f"model folder {folder!r} has no config.json")
     try:
-        return AutoConfig.from_pretrained(source.folder, local_files_only=True, **kwargs)
+        return AutoConfig.from_pretrained(folder, local_files_only=True)
     except (ValueError, KeyError) as e:
         raise UnsupportedModelError(f"cannot read the config of model {source.name!r}: {e}") from e
     except OSError as e:
@@ -66,7 +62,7 @@ def load_model(
         if fmt == "dummy":
             _init_dummy(model, config, seed)
         elif fmt == "gguf":
-            model.load_weights(_iter_gguf(source, config, dtype))
+            model.load_weights(_iter_safetensors(converted_folder(source)))
         else:
             model.load_weights(_iter_safetensors(source.folder))
     return model
@@ -119,39 +115,6 @@ def _iter_safetensors(folder: str) -> Iterator[Tuple[str, torch.Tensor]]:
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
-
-
-def _iter_gguf(source: ModelSource, config: PretrainedConfig, dtype: torch.dtype) -> Iterator[Tuple[str, torch.Tensor]]:
-    """(HF name, dequantized CPU tensor); transformers maps GGUF names using an HF model built on meta."""
-    from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    with torch.device("meta"):
-        hf_model = AutoModelForCausalLM.from_config(config)
-    with cached_gguf_name_map():
-        tensors = load_gguf_checkpoint(
-            source.gguf_path, return_tensors=True, model_to_load=hf_model, torch_dtype=dtype
-        )["tensors"]
-    while tensors:
-        name = next(iter(tensors))
-        yield name, tensors.pop(name)  # drop each tensor once copied
-
-
-@contextlib.contextmanager
-def cached_gguf_name_map():
-    """Memoize `gguf.get_tensor_name_map` while transformers maps GGUF names.
-
-    transformers calls it once per submodule (~400 times for a 30-layer model, each
-    rebuilding the same table); it is a pure function of (arch, n_blocks).
-    """
-    import gguf
-
-    original = gguf.get_tensor_name_map
-    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
-    try:
-        yield
-    finally:
-        gguf.get_tensor_name_map = original
 
 
 def _init_dummy(model: nn.Module, config: PretrainedConfig, seed: int) -> None:
