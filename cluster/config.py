@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from engine.config import EngineConfig
 from engine.errors import InvalidConfigError
+from serving.app import DEFAULT_MAX_BODY_BYTES
 
 PolicyName = Literal["cache_aware", "round_robin", "power_of_two", "random", "prefix_hash"]
 Mode = Literal["unified", "disaggregated"]
@@ -187,7 +188,9 @@ class _ClusterFields(BaseModel):
         "api_key. Default: $RADIXSERVE_ADMIN_KEY when set; unset: admin "
         "routes answer 401.",
     )
-    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Request bodies larger than this get a 413.")
+    max_body_bytes: int = Field(
+        DEFAULT_MAX_BODY_BYTES, ge=1024, description="Request bodies larger than this get a 413."
+    )
     worker_access_log: bool = Field(
         False,
         description="Log every call to a worker replica (generate, and the "

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, List, Mapping, Optional, Union
 
 from engine.errors import InvalidRequestError
 
 _MAX_TOP_LOGPROBS = 20
+MAX_N = 128
+"""Choices per request: n copies of a request run at once, so n is bounded like a batch."""
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+"""Stop strings are matched against every new piece of text, so their number and length are bounded."""
+SEED_LIMIT = 2**64
+"""Seeds are unsigned 64-bit integers (what torch.Generator.manual_seed takes): [0, 2**64)."""
 
 
 @dataclass
@@ -76,7 +85,8 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
     def validate(self) -> None:
-        """Raise InvalidRequestError naming the first field out of range."""
+        """Raise InvalidRequestError naming the first field out of range (ranges needing the model's
+        vocabulary: check_vocab)."""
 
         def check(cond: bool, name: str, msg: str) -> None:
             if not cond:
@@ -85,7 +95,12 @@ class SamplingParams:
         def is_int(x: Any) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)
 
+        def is_real(x: Any) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
         check(is_int(self.max_new_tokens) and self.max_new_tokens >= 0, "max_new_tokens", "must be an integer >= 0")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+            check(is_real(getattr(self, name)), name, "must be a finite number")
         check(self.temperature >= 0.0, "temperature", "must be >= 0")
         check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
         check(is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k", "must be -1 (disabled) or >= 1")
@@ -93,23 +108,60 @@ class SamplingParams:
         check(self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0")
         check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
         check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
-        check(is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1")
+        check(is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}]")
         check(
             is_int(self.top_logprobs) and 0 <= self.top_logprobs <= _MAX_TOP_LOGPROBS,
             "top_logprobs",
             f"must be an integer in [0, {_MAX_TOP_LOGPROBS}]",
         )
-        check(self.seed is None or is_int(self.seed), "seed", "must be an integer or None")
+        check(
+            self.seed is None or (is_int(self.seed) and 0 <= self.seed < SEED_LIMIT),
+            "seed",
+            "must be None or an integer in [0, 2**64)",
+        )
         check(
             self.prompt_logprobs is None
             or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= _MAX_TOP_LOGPROBS),
             "prompt_logprobs",
             f"must be None or an integer in [0, {_MAX_TOP_LOGPROBS}]",
         )
-        check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"must hold at most {MAX_STOP_STRINGS} strings")
+        check(
+            all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS and _is_unicode(s) for s in self.stop),
+            "stop",
+            f"must be non-empty strings of valid Unicode, at most {MAX_STOP_STRING_CHARS} characters each",
+        )
+        check(
+            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            "stop_token_ids",
+            f"must hold at most {MAX_STOP_TOKEN_IDS} ids",
+        )
         check(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be token ids >= 0")
         constraints = [c for c in (self.json_schema, self.regex, self.ebnf) if c is not None]
         check(len(constraints) <= 1, "json_schema", "cannot be combined with regex or ebnf (give one constraint)")
         check(
-            all(isinstance(c, str) and c for c in constraints), "json_schema", "/regex/ebnf must be non-empty strings"
+            all(isinstance(c, str) and c and _is_unicode(c) for c in constraints),
+            "json_schema",
+            "/regex/ebnf must be non-empty strings of valid Unicode",
         )
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise InvalidRequestError when top_k or a stop token id lies outside a `vocab_size` vocabulary."""
+        if self.top_k > vocab_size:
+            raise InvalidRequestError(
+                f"top_k must be -1 (disabled) or in [1, {vocab_size}] (the vocabulary), got {self.top_k}", param="top_k"
+            )
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"stop_token_ids must be token ids in [0, {vocab_size}), got {bad[:4]}", param="stop_token_ids"
+            )
+
+
+def _is_unicode(text: str) -> bool:
+    """False for a string with a lone surrogate (no UTF-8 form)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

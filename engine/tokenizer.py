@@ -79,10 +79,17 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; `add_special_tokens` adds what the tokenizer declares (e.g. BOS)."""
+    def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        """Token ids of `text`; `add_special_tokens` adds what the tokenizer declares (e.g. BOS).
+        InvalidRequestError(param) when `text` is not a string or not valid Unicode (a lone surrogate,
+        which JSON's \\uD800 escapes can carry, has no UTF-8 form)."""
         if not isinstance(text, str):
-            raise InvalidRequestError(f"text to tokenize must be a string, got {type(text).__name__}", param="prompt")
+            raise InvalidRequestError(f"text to tokenize must be a string, got {type(text).__name__}", param=param)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            bad = f"U+{ord(text[exc.start]):04X}"
+            raise InvalidRequestError(f"text is not valid Unicode: lone surrogate {bad} at {exc.start}", param=param)
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -130,7 +137,7 @@ class Tokenizer:
         """Token ids of `chat_prompt_text(...)`. The rendered text already holds the template's
         special tokens, so it is encoded without adding any (as transformers does)."""
         text = self.chat_prompt_text(messages, tools, add_generation_prompt, **template_kwargs)
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=False, param="messages")
 
 
 def _check_messages(messages: Any) -> None:

@@ -16,6 +16,7 @@ import typing
 from typing import Any, List, Optional
 
 from engine.config import EngineConfig
+from serving.app import DEFAULT_MAX_BODY_BYTES
 
 _SERVER_FIELDS = {"model"}
 SERVER_DEFAULTS = {"core_process": True, "enable_mixed_chunk": True, "max_prefill_tokens": 8192}
@@ -52,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("RADIXSERVE_API_KEY"),
         help="Require 'Authorization: Bearer KEY' on /v1/* and /generate (env RADIXSERVE_API_KEY).",
     )
-    p.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024, help="Larger request bodies get 413.")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="Larger request bodies get 413.")
     p.add_argument("--log-level", default="info")
     group = p.add_argument_group("engine options (engine.config.EngineConfig)")
     for f in dataclasses.fields(EngineConfig):

@@ -10,7 +10,7 @@ the backend. The cluster ingress builds the same app over its own backend.
 from __future__ import annotations
 
 import hmac
-from typing import Optional
+from typing import Optional, Tuple
 
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -21,7 +21,9 @@ from serving.errors import error_response, install_error_handlers
 from serving.metrics import Metrics
 from serving.state import ServingState
 
-DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+"""Large enough for a prompt filling a 128K-token context as text or token ids (about 1 MB); a larger
+body is refused from its Content-Length before it is read or parsed."""
 
 
 def build_app(
@@ -31,11 +33,14 @@ def build_app(
     model_name: str,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     title: str = "radixserve",
+    own_auth_prefixes: Tuple[str, ...] = (),
 ) -> FastAPI:
     """The OpenAI-compatible app serving `backend` under `model_name`.
 
-    `api_key`: when set, /v1/* and /generate need `Authorization: Bearer <api_key>` (401
-    otherwise); /health and /metrics stay open. `max_body_bytes`: larger bodies get a 413.
+    `api_key`: when set, every route needs `Authorization: Bearer <api_key>` (401 otherwise) except
+    /health and /metrics (OPEN_PATHS: probes and scrapers carry no key) and routes under
+    `own_auth_prefixes`, which check a key of their own (the cluster's admin routes).
+    `max_body_bytes`: larger bodies get a 413.
     """
     app = FastAPI(
         title=title,
@@ -49,22 +54,25 @@ def build_app(
     app.include_router(openai_routes.router)
     app.include_router(generate_routes.router)
     if api_key:
-        app.add_middleware(_ApiKeyAuth, api_key=api_key)
+        app.add_middleware(_ApiKeyAuth, api_key=api_key, exempt_prefixes=own_auth_prefixes)
     app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
     app.add_middleware(_RequestMetrics, metrics=metrics)
     return app
 
 
-def _protected(path: str) -> bool:
-    return path.startswith("/v1/") or path == "/generate"
+OPEN_PATHS = ("/health", "/metrics")
+"""Routes that answer without a key whatever is configured (liveness probes, Prometheus scrapes)."""
 
 
 class _ApiKeyAuth:
-    def __init__(self, app: ASGIApp, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+    def __init__(self, app: ASGIApp, api_key: str, exempt_prefixes: Tuple[str, ...]):
+        self.app, self.expected, self.exempt = app, f"Bearer {api_key}".encode(), exempt_prefixes
+
+    def _protected(self, path: str) -> bool:
+        return path not in OPEN_PATHS and not any(path.startswith(p) for p in self.exempt)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and _protected(scope["path"]):
+        if scope["type"] == "http" and self._protected(scope["path"]):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 resp = error_response(

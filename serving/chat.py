@@ -93,6 +93,16 @@ class ChatPlan:
     """The tools a call may name (all of them, or the named one)."""
 
 
+def _check_schema(schema: Dict[str, Any], what: str) -> None:
+    """400 unless `schema` is a valid JSON schema (against the meta-schema of the draft it names)."""
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise APIError(400, f"{what} is not a valid JSON schema: {exc.message}", "tools", "invalid_request") from exc
+
+
 def plan_chat(st: ServingState, body: ChatCompletionRequest) -> ChatPlan:
     tools = body.tools or []
     choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
@@ -100,6 +110,8 @@ def plan_chat(st: ServingState, body: ChatCompletionRequest) -> ChatPlan:
         raise APIError(400, "tool_choice needs a non-empty tools list", "tool_choice", "invalid_request")
     if len({t.function.name for t in tools}) != len(tools):
         raise APIError(400, "tool names must be unique", "tools", "invalid_request")
+    for tool in tools:
+        _check_schema(tool.function.parameters, f"tool {tool.function.name!r}: parameters")
     try:
         allowed = tc.selected_tools(tools, choice) if tools else []
     except KeyError as exc:

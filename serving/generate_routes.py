@@ -13,8 +13,6 @@ from typing import Any, AsyncIterator, Dict, List
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
 from serving.errors import APIError
 from serving.protocol import GenerateRequest, new_id
 from serving.state import ServingState, get_state
@@ -69,10 +67,7 @@ async def generate(body: GenerateRequest, request: Request):
     values = dict(body.sampling_params)
     if body.return_logprob:
         values.update(logprobs=True, top_logprobs=body.top_logprobs_num)
-    try:
-        params = SamplingParams.from_any(values)
-    except (InvalidRequestError, TypeError, ValueError) as exc:
-        raise APIError(400, str(exc), getattr(exc, "param", None) or "sampling_params", "invalid_request") from exc
+    params = st.checked_params(values)
     for ids in prompts:
         st.check_context(len(ids), params.max_new_tokens, "input_ids")
     rid = body.rid or new_id("gen")

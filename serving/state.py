@@ -86,8 +86,8 @@ class ServingState:
             )
         return max_tokens
 
-    @staticmethod
     def sampling_params(
+        self,
         body: Any,
         max_tokens: int,
         *,
@@ -119,10 +119,18 @@ class ServingState:
             ebnf=body.ebnf,
             prompt_logprobs=prompt_logprobs,
         )
+        return self.checked_params(values)
+
+    def checked_params(self, values: Any) -> SamplingParams:
+        """SamplingParams from `values` (dict), checked against the model's vocabulary; violations → 400."""
         try:
-            return SamplingParams.from_any(values)
+            params = SamplingParams.from_any(values)
+            params.check_vocab(self.backend.vocab_size)
         except InvalidRequestError as exc:
             raise APIError(400, str(exc), exc.param, "invalid_request") from exc
+        except (TypeError, ValueError) as exc:  # a field of the wrong type (/generate's free-form dict)
+            raise APIError(400, str(exc), "sampling_params", "invalid_request") from exc
+        return params
 
     def token_str(self, token_id: int) -> str:
         s = self._token_strs.get(token_id)

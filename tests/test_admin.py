@@ -68,6 +68,34 @@ def test_every_admin_route_needs_the_admin_key(http):
     assert "default-src 'self'" in page.headers["content-security-policy"]
 
 
+OPEN_ROUTES = {"/health", "/metrics"}
+"""Routes that answer without a key (probes, scrapers); the dashboard's static files hold no data."""
+
+
+def test_every_route_needs_its_key(http):
+    """Each route the ingress serves (its OpenAPI document, read with the user key) answers 401 without
+    a key; user routes take the user key, admin routes and /router/stats the admin key, never the other."""
+    assert http.get("/openapi.json").status_code == 401
+    spec = http.get("/openapi.json", headers=USER).json()
+    paths = {p.replace("{pool}", "unified").replace("{replica_id}", "nosuch"): ops for p, ops in spec["paths"].items()}
+    paths["/router/stats"] = {"get": {}}
+    assert "/v1/chat/completions" in paths and "/admin/pools" in paths and "/generate" in paths
+    for path, ops in paths.items():
+        for method in ops:
+            if path in OPEN_ROUTES or path.startswith("/dashboard"):
+                continue
+            r = http.request(method.upper(), path, json={})
+            assert r.status_code == 401, (method, path, r.status_code, r.text)
+            admin_only = path.startswith("/admin") or path.startswith("/router/")
+            wrong = USER if admin_only else ADMIN
+            r = http.request(method.upper(), path, json={}, headers=wrong)
+            assert r.status_code == 401, (method, path, "wrong key", r.status_code, r.text)
+    for path in ("/health", "/metrics"):
+        assert http.get(path).status_code == 200
+    assert http.get("/router/stats", headers=ADMIN).status_code == 200
+    assert http.get("/v1/models", headers=USER).status_code == 200
+
+
 def test_bad_admin_requests_get_clear_errors(http):
     r = http.post("/admin/pools/nosuchpool/scale", json={"replicas": 2}, headers=ADMIN)
     assert r.status_code == 404 and "nosuchpool" in r.json()["error"]["message"]
@@ -85,6 +113,9 @@ def test_bad_admin_requests_get_clear_errors(http):
         assert r.json()["error"]["type"] == "invalid_request_error"
     r = http.post("/admin/replicas/nosuchreplica/drain", json={}, headers=ADMIN)
     assert r.status_code == 404
+    assert http.post("/admin/replicas/nosuchreplica/undrain", headers=ADMIN).status_code == 404
+    r = http.get("/admin/pools/nosuchpool", headers=ADMIN)
+    assert r.status_code == 404 and "nosuchpool" in r.json()["error"]["message"]
     only = running_ids(pool(http))
     if len(only) == 1:  # draining the last routable replica would leave nothing to route to
         r = http.post(f"/admin/replicas/{only[0]}/drain", json={}, headers=ADMIN)
@@ -102,7 +133,7 @@ def test_scale_up_drain_and_remove_while_requests_flow(pools_cluster, http):
     requests again), and drain it with remove=true (the pool shrinks back to 1 around the other one)."""
     scale(http, replicas=1)
     (original,) = running_ids(settle(http, 1))
-    stats_before = http.get("/router/stats").json()
+    stats_before = http.get("/router/stats", headers=ADMIN).json()
     with Load(pools_cluster, clients=3) as load:
         wait_for(lambda: load.count() >= 3, 120, "first requests")
         p = scale(http, replicas=2)
@@ -118,7 +149,7 @@ def test_scale_up_drain_and_remove_while_requests_flow(pools_cluster, http):
         assert r.status_code == 200, r.text
         assert r.json()["state"] in ("draining", "drained") and not r.json()["routable"]
         wait_for(lambda: _state(http, newcomer) == "drained", 60, "the drained state")
-        assert newcomer not in http.get("/router/stats").json()["workers"]
+        assert newcomer not in http.get("/router/stats", headers=ADMIN).json()["workers"]
         mark = load.count()
         wait_for(lambda: load.count() >= mark + 4, 120, "requests while drained")
         served = worker_logs()
@@ -126,7 +157,11 @@ def test_scale_up_drain_and_remove_while_requests_flow(pools_cluster, http):
 
         r = http.post(f"/admin/replicas/{newcomer}/undrain", headers=ADMIN)
         assert r.status_code == 200 and r.json()["state"] == "running", r.text
-        wait_for(lambda: newcomer in http.get("/router/stats").json()["workers"], 30, "the replica to route again")
+        wait_for(
+            lambda: newcomer in http.get("/router/stats", headers=ADMIN).json()["workers"],
+            30,
+            "the replica to route again",
+        )
         mark = load.count()
         wait_for(
             lambda: any(worker_logs().get(rid) == newcomer for rid in load.rids(mark)),
@@ -142,7 +177,7 @@ def test_scale_up_drain_and_remove_while_requests_flow(pools_cluster, http):
     assert load.failures() == [], load.failures()[:5]
     assert running_ids(one) == [original] and one["target_replicas"] == 1
     # the other deployments were not redeployed: same ingress replica, the router's counters go on
-    stats_after = http.get("/router/stats").json()
+    stats_after = http.get("/router/stats", headers=ADMIN).json()
     assert stats_after["ingress"]["replica"] == stats_before["ingress"]["replica"]
     assert stats_after["routed_requests"] > stats_before["routed_requests"]
 

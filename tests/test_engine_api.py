@@ -131,6 +131,16 @@ def test_stream_matches_generate(default_engine):
         (dict(n=0), "n"),
         (dict(top_logprobs=50), "top_logprobs"),
         (dict(bogus=1), "bogus"),
+        (dict(n=100000), "n"),
+        (dict(seed=-1), "seed"),
+        (dict(seed=2**70), "seed"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+        (dict(top_p=float("nan")), "top_p"),
+        (dict(top_k=10**12), "top_k"),
+        (dict(stop_token_ids=[10**12]), "stop_token_ids"),
+        (dict(stop=[f"s{i}" for i in range(1000)]), "stop"),
+        (dict(stop=["\ud800"]), "stop"),
     ],
 )
 def test_invalid_sampling_params_are_typed_errors(default_engine, bad, param):

@@ -91,12 +91,41 @@ def chat(**kw):
         (chat(max_completion_tokens=10**6), "max_tokens"),
         (chat(response_format={"type": "json_schema"}), "response_format"),
         (chat(response_format={"type": "xml"}), None),
+        # Limits on every input: the request is refused before it reaches the engine.
+        (cmpl(n=129), "n"),
+        (cmpl(seed=-1), "seed"),
+        (cmpl(seed=2**70), "seed"),
+        (cmpl(top_k=10**12), "top_k"),
+        (cmpl(stop_token_ids=[10**12]), "stop_token_ids"),
+        (cmpl(stop=[f"s{i}" for i in range(1000)]), "stop"),
+        (cmpl(stop=["x" * 5000]), "stop"),
+        (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]), "tools"),
+        (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"required": "a"}}}]), "tools"),
     ],
 )
 def test_invalid_requests_are_400(http, body, param):
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     err = assert_error(http.post(path, json=body), 400, param)
     assert err["type"] == "invalid_request_error"
+    assert http.post("/v1/completions", json=cmpl()).status_code == 200  # the server answers right after
+
+
+@pytest.mark.parametrize(
+    "path, raw, param",
+    [
+        ("/v1/completions", b'{"model": "%s", "prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+        ("/v1/chat/completions", b'{"model": "%s", "messages": [{"role": "user", "content": "\\ud800"}]}', "messages"),
+        ("/v1/completions", b'{"model": "%s", "prompt": "a", "stop": ["\\udfff"]}', "stop"),
+        ("/generate", b'{"text": "a\\ud800", "sampling_params": {"max_new_tokens": 2}}', "prompt"),
+        ("/v1/completions", b'{"model": "%s", "prompt": "a", "repetition_penalty": Infinity}', "repetition_penalty"),
+        ("/v1/completions", b'{"model": "%s", "prompt": "a", "temperature": NaN}', "temperature"),
+        ("/generate", b'{"text": "a", "sampling_params": {"frequency_penalty": -Infinity}}', "frequency_penalty"),
+    ],
+)
+def test_lone_surrogates_and_non_finite_numbers_are_400(http, path, raw, param):
+    body = raw.replace(b"%s", MODEL.encode()) if b"%s" in raw else raw
+    assert_error(http.post(path, content=body, headers={"content-type": "application/json"}), 400, param)
+    assert http.post("/v1/completions", json=cmpl()).status_code == 200
 
 
 def test_context_overflow_message(http, default_engine):
@@ -113,6 +142,9 @@ def test_malformed_bodies_are_400(http):
     assert_error(http.post("/v1/chat/completions", json={"model": MODEL}), 400, "messages")
     assert_error(http.post("/generate", json={"text": "x", "sampling_params": {"bogus": 1}}), 400, "bogus")
     assert_error(http.post("/generate", json={"text": "x", "sampling_params": {"temperature": "hot"}}), 400)
+    assert_error(http.post("/generate", json={"text": "x", "sampling_params": {"n": 100000}}), 400, "n")
+    assert_error(http.post("/generate", json={"text": "x", "sampling_params": {"top_k": 10**12}}), 400, "top_k")
+    assert http.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 2}}).status_code == 200
     assert_error(http.post("/generate", json={}), 400)
 
 
@@ -138,6 +170,19 @@ def test_auth_and_body_limit(secure_url):
         assert_error(c.post("/v1/completions", headers=auth, content=chunks), 413)
         r = c.post("/v1/completions", headers=auth, json=cmpl())
         assert r.status_code == 200 and r.json()["choices"][0]["text"]
+
+
+def test_every_route_but_health_and_metrics_needs_the_key(secure_url):
+    with httpx.Client(base_url=secure_url, timeout=60) as c:
+        assert_error(c.get("/openapi.json"), 401)
+        spec = c.get("/openapi.json", headers={"Authorization": f"Bearer {KEY}"}).json()
+        routes = [(m.upper(), p.replace("{model}", MODEL)) for p, ops in spec["paths"].items() for m in ops]
+        assert ("POST", "/v1/completions") in routes and ("POST", "/generate") in routes
+        for method, path in routes + [("GET", "/docs"), ("GET", "/nosuchroute")]:
+            if path in ("/health", "/metrics"):
+                assert c.request(method, path).status_code == 200
+            else:
+                assert_error(c.request(method, path, json={}), 401)
 
 
 def test_queue_full_is_503(http, default_engine):

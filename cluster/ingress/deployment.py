@@ -47,8 +47,15 @@ class Ingress:
             self.backend = ClusterBackend(router, workers, tokenizer, info.context_len, info.vocab_size)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        from cluster.ingress.admin import install_admin
+        from fastapi import Depends
+
+        from cluster.ingress.admin import admin_key_check, install_admin
         from serving.app import build_app
+
+        # The admin API checks the admin key itself; the dashboard's files hold no data (its page asks
+        # for the admin key). /router/stats (replica ids, KV usage, queues) needs the admin key when one
+        # is set, else the API key.
+        own_auth = ("/admin", "/dashboard") + (("/router/",) if self.admin_api_key else ())
 
         app = build_app(
             self.backend,
@@ -56,12 +63,15 @@ class Ingress:
             model_name=self.model_name,
             max_body_bytes=self.max_body_bytes,
             title="radixserve cluster",
+            own_auth_prefixes=own_auth,
         )
         app.state.serving.metrics.registry.register(WorkerGauges(self.backend, self.model_name))
         install_admin(app, self.backend.router, self.admin_api_key, self.model_name)  # /admin, /dashboard
         backend, replica_id = self.backend, self.replica_id
 
-        @app.get("/router/stats")
+        stats_auth = [Depends(admin_key_check(self.admin_api_key))] if self.admin_api_key else []
+
+        @app.get("/router/stats", dependencies=stats_auth)
         async def router_stats() -> Dict[str, Any]:
             s = await backend.cluster_stats()
             out = s.model_dump()

@@ -428,6 +428,8 @@ class PoolScaler:
 
     def undrain(self, replica_id: str) -> ReplicaStatus:
         d = self.drains.get(replica_id)
+        if d is None:
+            self._find(replica_id)  # 404 for a replica that does not exist
         if d is None or d.phase in ("removing", "stopping"):
             raise AdminError(409, f"{replica_id} is not draining (or is being stopped)")
         self._forget(d)
