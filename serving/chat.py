@@ -30,7 +30,7 @@ from serving.protocol import (
     new_id,
 )
 from serving.state import ServingState, get_state
-from serving.streams import GenerationStream, SSEResponse, cancel_on_disconnect, collect, sse_events
+from serving.streams import GenerationStream, cancel_on_disconnect, collect, stream_response
 
 router = APIRouter()
 
@@ -168,7 +168,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     rid = new_id("chatcmpl")
     stream = await GenerationStream.start(st.backend, [plan.prompt_ids], params, rid, st.metrics.timer())
     if body.stream:
-        return SSEResponse(sse_events(stream, chat_events(st, body, plan, rid, stream)))
+        return stream_response(stream, chat_events(st, body, plan, rid, stream))
     states = await cancel_on_disconnect(request, collect(stream, 1, params.n))
     choices = []
     for k, s in enumerate(states):

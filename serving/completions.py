@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from serving.errors import APIError
 from serving.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, new_id
 from serving.state import ServingState, UsageTracker, get_state
-from serving.streams import GenerationStream, SSEResponse, cancel_on_disconnect, collect, sse, sse_events
+from serving.streams import GenerationStream, cancel_on_disconnect, collect, sse, stream_response
 
 router = APIRouter()
 
@@ -73,7 +73,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     echo = [st.tokenizer.decode(ids) if body.echo else "" for ids in prompts]
     stream = await GenerationStream.start(st.backend, prompts, params, rid, st.metrics.timer())
     if body.stream:
-        return SSEResponse(sse_events(stream, _events(st, body, rid, stream, echo, prompts)))
+        return stream_response(stream, _events(st, body, rid, stream, echo, prompts))
     states = await cancel_on_disconnect(request, collect(stream, len(prompts), params.n))
     n = params.n
     choices = []

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from serving.errors import APIError
 from serving.protocol import GenerateRequest, new_id
 from serving.state import ServingState, get_state
-from serving.streams import ChoiceState, GenerationStream, SSEResponse, cancel_on_disconnect, collect, sse, sse_events
+from serving.streams import ChoiceState, GenerationStream, cancel_on_disconnect, collect, sse, stream_response
 
 router = APIRouter()
 
@@ -74,7 +74,7 @@ async def generate(body: GenerateRequest, request: Request):
     stream = await GenerationStream.start(st.backend, prompts, params, rid, st.metrics.timer())
     many = batch or params.n > 1
     if body.stream:
-        return SSEResponse(sse_events(stream, _events(rid, body, stream, len(prompts))))
+        return stream_response(stream, _events(rid, body, stream, len(prompts)))
     states = await cancel_on_disconnect(request, collect(stream, len(prompts), params.n))
     results = [
         {"text": s.full_text, "output_ids": s.token_ids, "index": k, "meta_info": _meta(rid, s, body)}

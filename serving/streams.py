@@ -167,8 +167,15 @@ def sse(data: Any) -> str:
     return f"data: {payload}\n\n"
 
 
+def stream_response(stream: GenerationStream, events: AsyncIterator[str]) -> "SSEResponse":
+    """The SSE response of `stream`'s `events` (sse_events). It closes `stream` whatever happens, also when
+    the client left before the body was ever iterated (closing a never-started generator skips its body)."""
+    return SSEResponse(sse_events(stream, events), on_close=stream.close)
+
+
 async def sse_events(stream: GenerationStream, events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """`events` then `data: [DONE]`; an error mid-stream becomes an error event. Always closes `stream`."""
+    """`events` then `data: [DONE]`; an error mid-stream becomes an error event. Always closes `stream`
+    once iterated (stream_response also closes it when the body never is)."""
     try:
         async for event in events:
             yield event
@@ -224,6 +231,9 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     watcher = asyncio.ensure_future(wait_disconnect())
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler was cancelled (the server's own disconnect handling): so is the work
+        task.cancel()
+        raise
     finally:
         watcher.cancel()
     if not task.done():

@@ -35,19 +35,25 @@ def free_port() -> int:
 
 def start_serve(args, app: str, env: Optional[Dict[str, str]] = None) -> str:
     """ray.init(num_cpus=2), Serve's HTTP proxy on a free port, `cluster.app:deployment(args)` deployed
-    as `app`. Returns the base URL."""
+    as `app`. `env` overrides WORKER_ENV (e.g. RAY_SERVE_ENABLE_HA_PROXY=0: Serve's Python proxy in front).
+    Returns the base URL."""
     import ray
     from ray import serve
 
     from cluster.app import deployment
 
-    os.environ.setdefault("RAY_SERVE_USE_GRPC_BY_DEFAULT", WORKER_ENV["RAY_SERVE_USE_GRPC_BY_DEFAULT"])
-    os.environ.setdefault("RAY_SERVE_ENABLE_HA_PROXY", WORKER_ENV["RAY_SERVE_ENABLE_HA_PROXY"])
+    env = env or {}
+    for name in ("RAY_SERVE_USE_GRPC_BY_DEFAULT", "RAY_SERVE_ENABLE_HA_PROXY"):  # read by the driver's Serve too
+        os.environ[name] = env.get(name, WORKER_ENV[name])
+    # HAProxy's stats and Prometheus ports are fixed (8404, 9101) unless set: free ones, so that a second
+    # test cluster on this machine (another checkout's tests) cannot fail to start on a taken port.
+    ports = {"RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port())}
+    os.environ.update(ports)
     ray.init(
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,
-        runtime_env={"env_vars": {**WORKER_ENV, **(env or {})}},
+        runtime_env={"env_vars": {**WORKER_ENV, **ports, **env}},
     )
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -73,3 +79,64 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str, interva
         if time.time() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(interval)
+
+
+async def abort_storm(base_url: str, model: str, total: int = 120, concurrency: int = 24, seed: int = 0) -> Dict:
+    """`total` requests, `concurrency` at a time, about half of them closed by the client at a random moment
+    in their first second: before routing answers, before the first token (longer prompts), or mid-stream.
+    Completions and chat, streamed and not. Returns counts of "completed", "aborted" and "error" (non-200).
+
+    Behind HAProxy an ingress learns of a closed client when it next writes to it: a streamed request is
+    aborted at its next token, a non-streamed one runs to its end (its pages are freed then)."""
+    import asyncio
+    import collections
+    import random
+
+    import httpx
+
+    rng = random.Random(seed)
+    counts: collections.Counter = collections.Counter()
+    gate = asyncio.Semaphore(concurrency)
+    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex".split()
+
+    async def one(client: httpx.AsyncClient) -> None:
+        kind = rng.choice(["completion", "completion-stream", "chat-stream", "chat"])
+        prompt = " ".join(rng.choice(words) for _ in range(rng.choice([8, 64, 200])))
+        abort_after = rng.uniform(0.0, 1.0) if rng.random() < 0.5 else None
+        body = {"model": model, "max_tokens": rng.randint(4, 24), "temperature": 0, "ignore_eos": True}
+        if kind.startswith("chat"):
+            path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
+        else:
+            path, body["prompt"] = "/v1/completions", prompt
+        body["stream"] = kind.endswith("stream")
+
+        async def run() -> int:
+            if body["stream"]:
+                async with client.stream("POST", path, json=body) as r:
+                    async for _ in r.aiter_lines():
+                        pass
+                    return r.status_code
+            return (await client.post(path, json=body)).status_code
+
+        async with gate:
+            try:
+                status = await (run() if abort_after is None else asyncio.wait_for(run(), abort_after))
+                counts["completed" if status == 200 else "error"] += 1
+            except asyncio.TimeoutError:
+                counts["aborted"] += 1
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
+        await asyncio.gather(*(one(client) for _ in range(total)))
+    return dict(counts)
+
+
+def cluster_idle(stats: Dict) -> bool:
+    """/router/stats shows nothing left anywhere: no request in flight at the router, none running or
+    waiting in an engine, every KV page free or held only by the prefix cache."""
+    for w in stats["workers"].values():
+        e = w["engine"]
+        if w["in_flight"] or e.get("running", 1) or e.get("waiting", 1):
+            return False
+        if e.get("kv_free_tokens", 0) + e.get("kv_evictable_tokens", 0) != e.get("kv_total_tokens", -1):
+            return False
+    return bool(stats["workers"])

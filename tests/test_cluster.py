@@ -1,7 +1,9 @@
 """The unified cluster on a real local Ray cluster (CPU): Ingress + Router + 2 Workers.
 
-One application for the whole module (starting it costs ~1 min on 2 cores); the membership test
-kills a worker, so it runs last. Nothing here asserts on timings.
+One application for the whole module; the membership test kills a worker, so it runs last. Serve's
+Python proxy is in front (the other cluster tests use HAProxy): it passes a client's disconnect on at
+once, where HAProxy passes it on at the ingress's next write, so the disconnect tests reach every
+stage of a request. Nothing here asserts on timings.
 """
 
 import asyncio
@@ -13,7 +15,7 @@ ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
 from cluster.config import ClusterArgs  # noqa: E402
-from cluster_harness import start_serve, stop_serve, wait_for  # noqa: E402
+from cluster_harness import abort_storm, cluster_idle, start_serve, stop_serve, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +26,7 @@ MODEL = "SmolLM2-135M-Instruct"
 @pytest.fixture(scope="module")
 def cluster():
     args = ClusterArgs(workers=2, policy="round_robin", num_cpus=0.5, max_total_tokens=4096, report_interval_s=0.25)
-    yield start_serve(args, APP)
+    yield start_serve(args, APP, env={"RAY_SERVE_ENABLE_HA_PROXY": "0"})
     stop_serve()
 
 
@@ -222,6 +224,28 @@ def test_client_disconnect_aborts_on_the_worker(cluster, http):
         _wait(aborted_and_idle, 30, "the aborted request to be counted and to leave the worker and the router")
     except AssertionError as exc:
         raise AssertionError(f"{exc}; last (in_flight, running, aborted) per worker: {seen}") from None
+
+
+def test_abort_storm_leaves_nothing_behind(cluster, http):
+    """Half of 120 requests closed by their client at random stages: afterwards no request is in flight at
+    the router, none runs or waits on a worker, and every KV page is free (or cached)."""
+    counts = asyncio.run(abort_storm(cluster, MODEL))
+    assert counts.get("aborted", 0) >= 20 and counts.get("completed", 0) >= 20 and not counts.get("error"), counts
+    seen = {}
+
+    def idle():
+        seen["stats"] = {
+            wid: (w["in_flight"], w["engine"].get("running"), w["engine"].get("waiting"))
+            for wid, w in _stats(http)["workers"].items()
+        }
+        return cluster_idle(_stats(http))
+
+    try:
+        _wait(idle, 60, "every worker idle with its pages free")
+    except AssertionError as exc:
+        raise AssertionError(
+            f"{exc}; (in_flight, running, waiting) per worker: {seen.get('stats')}; {counts}"
+        ) from None
 
 
 def test_dead_worker_is_purged_and_replaced(http):

@@ -168,8 +168,9 @@ class ClusterBackend(ServingBackend):
     async def generate_stream(self, input_ids: List[int], params: Any, rid: str) -> AsyncIterator[Any]:
         text = OutputText(self.tokenizer, input_ids, params)  # before routing: nothing to finish if it raises
         for attempt in range(1, MAX_ROUTE_ATTEMPTS + 1):
+            # Detached: Serve would cancel the call with the request, after the router counted it in flight.
             decision = await self._ask_router(
-                self.router.route.remote(input_ids, rid), lambda late: self._finish(late.worker_id)
+                detached(lambda: self.router.route.remote(input_ids, rid)), lambda late: self._finish(late.worker_id)
             )
             worker_id = decision.worker_id
             progress = RequestProgress(params.n)
