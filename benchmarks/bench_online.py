@@ -6,8 +6,8 @@ next one starts. Prints one table with each radixserve server's ratios to vLLM, 
 PNG of req/s, TTFT p50, ITL p50 and TPOT per workload per server. Asserts nothing about timings.
 
 Servers (--servers, in this order by default: vllm serving cluster):
-  vllm            `bash PEER_VLLM_SERVE MODEL_DIR PORT [--vllm-args]`: vLLM's OpenAI server on dummy
-                  weights (served name "m"); PEER_VLLM_SERVE is --vllm-serve-script
+  vllm            `bash VLLM_SERVE MODEL_DIR PORT [--vllm-args]`: vLLM's OpenAI server on dummy
+                  weights (served name "m"); VLLM_SERVE is --vllm-serve-script (benchmarks/vllm_serve.sh)
   serving         `python -m serving --model MODEL_DIR --load-format dummy --served-model-name m
                   --port PORT [--serving-args]`
   serving-switch  the same, started with sys.setswitchinterval(--switch-interval) (GIL hand-over
@@ -47,18 +47,19 @@ idle is the same check: used = total - free - evictable; bare: engine.stats()) a
 records free + evictable == total.
 
 --crosscheck SERVER:WORKLOAD (e.g. vllm:random-64, a random workload) runs `vllm bench serve`
-(--vllm-bench-cmd, the staged vLLM) against the same server right after our client's run of that
-workload, same shape (input / output length, concurrency, request count, --ignore-eos, temperature
-0), and records both clients' req/s, TTFT p50, ITL p50, their ratios and whether they agree within
-5%, and both clients' mean prompt tokens (ours are words, ~1 token each; vLLM's random dataset
-decodes random token ids to text, which the server tokenizes again).
+(--vllm-bench-cmd: vLLM's CLI with VLLM_PYTHONPATH / VLLM_PYTHON, as vllm_serve.sh runs it) against
+the same server right after our client's run of that workload, same shape (input / output length,
+concurrency, request count, --ignore-eos, temperature 0), and records both clients' req/s, TTFT p50,
+ITL p50, their ratios and whether they agree within 5%, and both clients' mean prompt tokens (ours are
+words, ~1 token each; vLLM's random dataset decodes random token ids to text, which the server
+tokenizes again).
 
 --profile SERVER:WORKLOAD with --py-spy PATH runs that workload once more after its measured run
 with `py-spy record` (all threads, and the GIL holder) and one `py-spy dump` attached to the server
 process (serving / serving-switch); the raw stacks go beside the logs, the run is not in the table.
 
   python benchmarks/bench_online.py --model-dir .gpu-model/llama-3.1-8b \\
-      --vllm-serve-script .gpu-model/peer_vllm_serve.sh --workloads random-1 random-8 random-64 \\
+      --workloads random-1 random-8 random-64 \\
       --crosscheck vllm:random-64 --log-dir $OUT
   python benchmarks/bench_online.py --model-dir '' --servers serving --workloads random-8 \\
       --count random-8=8 --warmup-requests 1 -- --input-len 64 --output-len 8       # CPU smoke test
@@ -440,7 +441,7 @@ class Server:
         raise RuntimeError(f"{self.name} did not answer /v1/models within {self.args.start_timeout} s")
 
     def detached(self) -> bool:
-        """The launcher exits once the server runs (peer_vllm_serve.sh)."""
+        """The launcher exits once the server runs (vllm_serve.sh)."""
         return False
 
     def snapshot_tree(self) -> None:
@@ -510,9 +511,9 @@ class VllmServer(Server):
         try:
             self.proc.wait(timeout=self.args.start_timeout)
         except subprocess.TimeoutExpired:
-            raise RuntimeError("peer_vllm_serve.sh did not return") from None
+            raise RuntimeError("the vLLM serve script did not return") from None
         if self.proc.returncode != 0:
-            raise RuntimeError(f"peer_vllm_serve.sh exited with {self.proc.returncode}")
+            raise RuntimeError(f"the vLLM serve script exited with {self.proc.returncode}")
         with open(os.path.join(self.log_dir, f"server_{self.name}.log")) as f:
             m = re.search(r"pid (\d+)", f.read())
         self.pid = int(m.group(1)) if m else None
@@ -779,7 +780,7 @@ def crosscheck(
     ]
     t0 = time.perf_counter()
     with open(os.path.join(log_dir, f"vllm_bench_{server.name}_{workload}.log"), "w") as log:
-        # From /tmp, as peer_vllm_serve.sh runs vLLM: the project root on sys.path shadows packages vLLM imports.
+        # From /tmp, as vllm_serve.sh runs vLLM: the project root on sys.path shadows packages vLLM imports.
         p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd="/tmp", timeout=args.crosscheck_timeout)
     out: Dict[str, Any] = {"command": shlex.join(cmd), "returncode": p.returncode, "wall_s": time.perf_counter() - t0}
     path = os.path.join(log_dir, name)
@@ -1088,8 +1089,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-requests", type=int, default=4)
     p.add_argument(
         "--vllm-serve-script",
-        default=os.path.join(ROOT, "..", "shared", "gpu", "peer_vllm_serve.sh"),
-        help="the script that starts vLLM's server: SCRIPT MODEL_DIR PORT [flags]",
+        default=os.path.join(ROOT, "benchmarks", "vllm_serve.sh"),
+        help="the script that starts vLLM's server: SCRIPT MODEL_DIR PORT [flags] (vllm_serve.sh: set "
+        "VLLM_PYTHONPATH where vLLM is installed apart)",
     )
     p.add_argument("--vllm-args", default="", help="extra flags of vLLM's server")
     p.add_argument("--serving-args", default="", help="extra flags of python -m serving (also the bare engine's)")
@@ -1105,7 +1107,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--crosscheck", nargs="*", default=[], metavar="SERVER:WORKLOAD")
     p.add_argument(
         "--vllm-bench-cmd",
-        default="env -u PYTHONPATH PYTHONPATH=/tmp/peer-site python3 -m vllm.entrypoints.cli.main bench serve",
+        default=shlex.join(
+            ["env", "-u", "PYTHONPATH", "PYTHONPATH=" + os.environ.get("VLLM_PYTHONPATH", "")]
+            + [os.environ.get("VLLM_PYTHON", "python3"), "-m", "vllm.entrypoints.cli.main", "bench", "serve"]
+        ),
     )
     p.add_argument("--crosscheck-timeout", type=float, default=300)
     p.add_argument("--profile", nargs="*", default=[], metavar="SERVER:WORKLOAD")
