@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs Debian's chromium for the dashboard test (tests/test_admin_dashboard.py) when
+# Installs Debian's chromium for the dashboard test (tests/cluster/test_admin_dashboard.py) when
 # /usr/bin/chromium is missing and apt-get exists. Never fails: without a browser the test itself
 # fails with a clear message (RADIXSERVE_SKIP_BROWSER=1 skips it instead). Called by tests/run.sh.
 set -uo pipefail

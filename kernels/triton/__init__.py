@@ -9,7 +9,7 @@
                          and k; and the flattened KV indices of a batch (FlashInfer's page table)
     sampling.py          Gumbel-max sampling (counter-based noise + argmax) in one pass over the logits
 
-Each kernel module exposes a plain-torch reference (`*_reference`) that tests/test_triton_kernels.py checks it
+Each kernel module exposes a plain-torch reference (`*_reference`) that tests/kernels/test_triton_kernels.py checks it
 against; kernels/attention/triton.py (TritonAttnBackend) calls them. Slot indices come from
 `req_to_token` ((rows, max_ctx) int32); every kernel accumulates in float32 and accepts fp32/fp16/bf16.
 """

@@ -2,7 +2,7 @@
 that gives up before the decision arrives (client disconnect, timeout) must still finish it there.
 
 Stand-ins replace the Serve handles (they record calls; `route` answers when the test says so): the
-real router and workers are covered by tests/test_cluster.py."""
+real router and workers are covered by tests/cluster/test_cluster.py."""
 
 import asyncio
 from dataclasses import dataclass

@@ -33,7 +33,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "radixserve"
 CI_VALUES = {mode: CHART / "ci" / f"{mode}-values.yaml" for mode in ("unified", "disaggregated")}
 KUBERAY_MANIFEST = REPO / "deploy" / "kuberay" / "rayservice.yaml"

@@ -13,7 +13,7 @@ import pytest
 from conftest import assert_no_leak
 from serving_harness import MODEL, serve
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run_script(name, *args):

@@ -1,7 +1,7 @@
 """cluster.workers.early_prefill.StartedPrompts: prompts a prefill replica started for the ingress
 (early_prefill) are claimed once by the decode replica's prefill call, dropped when forgotten or
 unclaimed for their TTL, and not started beyond the token limit. The engine is a stand-in recording
-what is asked of it (tests/test_disaggregated.py runs the whole path with the real one)."""
+what is asked of it (tests/cluster/test_disaggregated.py runs the whole path with the real one)."""
 
 import asyncio
 from types import SimpleNamespace

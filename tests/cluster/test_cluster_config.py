@@ -77,7 +77,7 @@ def test_serve_config_yaml_args_are_valid():
 
     import yaml
 
-    doc = yaml.safe_load((pathlib.Path(__file__).parents[1] / "deploy" / "serve_config.yaml").read_text())
+    doc = yaml.safe_load((pathlib.Path(__file__).parents[2] / "deploy" / "serve_config.yaml").read_text())
     (app,) = doc["applications"]
     assert app["import_path"] == "cluster.app:deployment"
     ClusterArgs.model_validate(app["args"])

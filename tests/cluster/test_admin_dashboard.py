@@ -29,7 +29,7 @@ from pools_harness import (
 pytestmark = pytest.mark.slow
 
 CHROMIUM = os.environ.get("RADIXSERVE_CHROMIUM", "/usr/bin/chromium")
-ARTIFACTS = pathlib.Path(__file__).parent / "artifacts"
+ARTIFACTS = pathlib.Path(__file__).parents[1] / "artifacts"
 FLAGS = [
     "--headless",
     "--no-sandbox",

@@ -16,7 +16,7 @@ import pytest
 from conftest import PROMPTS
 
 pytestmark = pytest.mark.slow
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _free_port() -> int:

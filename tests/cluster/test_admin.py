@@ -202,7 +202,7 @@ def test_pool_metrics_carry_pool_and_replica_labels(http):
     assert f'radixserve_replica_state{{{label},replica="{rid}",state="running"}} 1.0' in text
     assert p["ttft_p90_ms"] is not None and p["ttft_p90_ms"] > 0
     # every series the Grafana dashboard queries is exported
-    grafana = json.loads((pathlib.Path(__file__).parents[1] / "deploy/grafana/radixserve.json").read_text())
+    grafana = json.loads((pathlib.Path(__file__).parents[2] / "deploy/grafana/radixserve.json").read_text())
     exprs = [t["expr"] for panel in grafana["panels"] for t in panel["targets"]]
     names = {n for e in exprs for n in re.findall(r"radixserve_\w+", e)}
     assert len(names) >= 12

@@ -15,7 +15,7 @@ import dockerfile
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "deploy" / "docker" / "Dockerfile"
 IGNORE = REPO / "deploy" / "docker" / "Dockerfile.dockerignore"
 
@@ -102,5 +102,5 @@ def test_build_context_has_what_copy_needs(commands):
             for f in files:
                 rel = f.relative_to(REPO).as_posix()
                 assert not _ignored(rel, patterns), f"{rel} is excluded from the build context"
-    for heavy in (".venv/bin/python", ".git/HEAD", "tests/test_docker.py", "radixserve.egg-info/PKG-INFO"):
+    for heavy in (".venv/bin/python", ".git/HEAD", "tests/deploy/test_docker.py", "radixserve.egg-info/PKG-INFO"):
         assert _ignored(heavy, patterns), heavy
