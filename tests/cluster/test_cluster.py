@@ -227,10 +227,10 @@ def test_client_disconnect_aborts_on_the_worker(cluster, http):
 
 
 def test_abort_storm_leaves_nothing_behind(cluster, http):
-    """Half of 120 requests closed by their client at random stages: afterwards no request is in flight at
+    """Half of 96 requests closed by their client at random stages: afterwards no request is in flight at
     the router, none runs or waits on a worker, and every KV page is free (or cached)."""
-    counts = asyncio.run(abort_storm(cluster, MODEL))
-    assert counts.get("aborted", 0) >= 20 and counts.get("completed", 0) >= 20 and not counts.get("error"), counts
+    counts = asyncio.run(abort_storm(cluster, MODEL, total=96))
+    assert counts.get("aborted", 0) >= 16 and counts.get("completed", 0) >= 16 and not counts.get("error"), counts
     seen = {}
 
     def idle():

@@ -166,8 +166,8 @@ def test_abort_storm_leaks_nothing(cluster, http):
     """Requests closed by their client at random stages (before routing answers, during the prefill on
     the prefill replica or the KV handoff, mid-stream on the decode replica) leave nothing behind: no
     request in flight at the router, no page held outside the prefix caches, no handoff pending."""
-    counts = asyncio.run(abort_storm(cluster, MODEL, total=48, concurrency=12, seed=1))
-    assert counts.get("aborted", 0) >= 8 and counts.get("completed", 0) >= 8 and not counts.get("error"), counts
+    counts = asyncio.run(abort_storm(cluster, MODEL, total=28, concurrency=8, seed=1))
+    assert counts.get("aborted", 0) >= 5 and counts.get("completed", 0) >= 5 and not counts.get("error"), counts
     _wait(lambda: _all_idle_and_clean(http), 60, f"no leak after the abort storm {counts}")
     assert _completion(http, PROMPTS[0], 4)["usage"]["completion_tokens"] == 4
 
