@@ -15,6 +15,8 @@ from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.sampling_params import MAX_N
+
 StopField = Optional[Union[str, List[str]]]
 
 
@@ -47,7 +49,7 @@ class _SamplingFields(SGLangExtras):
     model: str = Field(..., description="The served model's name (see GET /v1/models).")
     temperature: Optional[float] = Field(None, ge=0.0, le=2.0, description="0 = greedy. Default 1.")
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0, description="Nucleus sampling mass. Default 1.")
-    n: int = Field(1, ge=1, le=128, description="Choices per prompt.")
+    n: int = Field(1, ge=1, le=MAX_N, description="Choices per prompt.")
     stop: StopField = Field(None, description="Up to 4 strings that end generation (not returned).")
     seed: Optional[int] = Field(None, description="Makes sampling reproducible.")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)

@@ -131,14 +131,15 @@ class ClusterBackend(ServingBackend):
     def vocab_size(self) -> int:
         return self._vocab_size
 
-    async def _ask_router(self, call, finish: Callable[[Any], None]) -> Any:
-        """Await a routing call (bounded); its time goes to self.latency; no worker → HTTP 503.
+    async def _ask_router(self, make_call: Callable[[], Any], finish: Callable[[Any], None]) -> Any:
+        """Await the routing call `make_call()` (bounded); its time goes to self.latency; no worker → HTTP 503.
 
         The router counts the request in flight as soon as it decides. If this caller gives up first
         (client disconnect: cancelled; or the bound ran out), the decision may still come: `finish(decision)`
-        then runs when it does, so the router does not count a request that never ran."""
+        then runs when it does, so the router does not count a request that never ran. The call is made
+        detached: Serve would otherwise cancel it with the request, after the router counted it."""
         start = time.perf_counter()
-        task = asyncio.ensure_future(awaited(call))
+        task = asyncio.ensure_future(awaited(detached(make_call)))
         try:
             decision = await asyncio.wait_for(asyncio.shield(task), _RPC_TIMEOUT_S)
         except BaseException as exc:
@@ -168,9 +169,8 @@ class ClusterBackend(ServingBackend):
     async def generate_stream(self, input_ids: List[int], params: Any, rid: str) -> AsyncIterator[Any]:
         text = OutputText(self.tokenizer, input_ids, params)  # before routing: nothing to finish if it raises
         for attempt in range(1, MAX_ROUTE_ATTEMPTS + 1):
-            # Detached: Serve would cancel the call with the request, after the router counted it in flight.
             decision = await self._ask_router(
-                detached(lambda: self.router.route.remote(input_ids, rid)), lambda late: self._finish(late.worker_id)
+                lambda: self.router.route.remote(input_ids, rid), lambda late: self._finish(late.worker_id)
             )
             worker_id = decision.worker_id
             progress = RequestProgress(params.n)

@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator, List
 
 from cluster.ingress.backend import ClusterBackend, RequestProgress
 from cluster.latency import RequestClock
-from cluster.rpc import detached, is_dead, unwrap
+from cluster.rpc import is_dead, unwrap
 from cluster.workers.base import WrongReplicaError
 from cluster.workers.handoff import PrefillFailedError
 from engine.text import OutputText
@@ -51,8 +51,8 @@ class DisaggregatedBackend(ClusterBackend):
             params = dataclasses.replace(params, seed=random.getrandbits(62))
         for attempt in range(1, MAX_ATTEMPTS + 1):
             text = OutputText(self.tokenizer, input_ids, params)
-            pair = await self._ask_router(  # detached: see ClusterBackend.generate_stream
-                detached(lambda: self.router.route_pair.remote(input_ids, rid)),
+            pair = await self._ask_router(
+                lambda: self.router.route_pair.remote(input_ids, rid),
                 lambda late: self._finish_pair(late, RequestClock()),
             )
             progress, clock = RequestProgress(params.n), RequestClock()
