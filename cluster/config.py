@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from engine.config import EngineConfig
 from engine.errors import InvalidConfigError
-from serving.app import DEFAULT_MAX_BODY_BYTES
+from serving.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_TIMEOUT_S
 
 PolicyName = Literal["cache_aware", "round_robin", "power_of_two", "random", "prefix_hash"]
 Mode = Literal["unified", "disaggregated"]
@@ -190,6 +190,12 @@ class _ClusterFields(BaseModel):
     )
     max_body_bytes: int = Field(
         DEFAULT_MAX_BODY_BYTES, ge=1024, description="Request bodies larger than this get a 413."
+    )
+    request_timeout_s: Optional[float] = Field(
+        DEFAULT_REQUEST_TIMEOUT_S,
+        gt=0.0,
+        description="Default deadline of a request, queueing included (None: no default); a request's "
+        "'timeout' may shorten it. Past it the request is aborted on its worker: a 504, or an error event.",
     )
     worker_access_log: bool = Field(
         False,

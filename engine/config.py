@@ -42,7 +42,13 @@ class EngineConfig:
     )
     max_running_requests: int = field(default=256, metadata={"help": "Max requests in the running batch."})
     max_queued_requests: Optional[int] = field(
-        default=None, metadata={"help": "Reject new requests beyond this many waiting."}
+        default=None,
+        metadata={
+            "help": (
+                "Admission bound: requests beyond max_running_requests + this many in the engine (running "
+                "and waiting) are refused with QueueFullError (HTTP 503 + Retry-After); None: unbounded."
+            )
+        },
     )
     chunked_prefill_size: int = field(
         default=2048, metadata={"help": "Max prompt tokens of one request per prefill step; -1 disables chunking."}
@@ -161,6 +167,10 @@ class EngineConfig:
             f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}",
         )
         check(self.max_running_requests >= 1, f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        check(
+            self.max_queued_requests is None or self.max_queued_requests >= 0,
+            f"max_queued_requests must be >= 0 or None, got {self.max_queued_requests}",
+        )
         check(
             self.chunked_prefill_size == -1 or self.chunked_prefill_size >= 1,
             f"chunked_prefill_size must be -1 or >= 1, got {self.chunked_prefill_size}",

@@ -25,7 +25,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional
 
 from engine.config import EngineConfig
 from engine.core.messages import AbortRequest, AddRequest, CompleteImport, ReleaseExport
-from engine.errors import EngineAbortedError, EngineDeadError, InvalidRequestError, PromptTooLongError
+from engine.errors import EngineAbortedError, EngineDeadError, InvalidRequestError, PromptTooLongError, QueueFullError
 from engine.models.source import resolve_model
 from engine.outputs import GenerateOutput, ReqOutput, StreamOutput
 from engine.sampling_params import SamplingParams
@@ -408,11 +408,23 @@ class Engine:
         group = _Group(rid, params, text, sink, loop, handoff)
         if any(r in self._requests for r in group.engine_rids):
             raise InvalidRequestError(f"request id {rid!r} is already in use", param="rid")
+        self._admit(len(group.engine_rids))
         for i, engine_rid in enumerate(group.engine_rids):
             self._requests[engine_rid] = _Entry(group, i)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
         self.core.send(AddRequest(rid, ids, params, seed, handoff))
         return group
+
+    def _admit(self, count: int) -> None:
+        """Admission control, decided here so a refusal never waits for the core's step: the requests
+        registered (submitted and not yet reported finished, so at least what the core holds) plus
+        `count` may not exceed max_running_requests + max_queued_requests (None: unbounded)."""
+        queued = self.config.max_queued_requests
+        if queued is None:
+            return
+        limit = self.config.max_running_requests + queued
+        if len(self._requests) + count > limit:
+            raise QueueFullError(f"the server is full ({limit} requests in the engine); retry later")
 
     # ---- delivery (the core's thread, or the event loop the core is attached to) ---------------
     def _dispatch(self, outputs: List[ReqOutput]) -> None:

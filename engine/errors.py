@@ -26,7 +26,7 @@ class PromptTooLongError(InvalidRequestError):
 
 
 class QueueFullError(EngineError):
-    """The waiting queue is at `max_queued_requests`; retry later."""
+    """The engine holds max_running_requests + max_queued_requests requests already; retry later."""
 
 
 class ModelNotFoundError(EngineError, FileNotFoundError):

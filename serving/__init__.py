@@ -9,6 +9,7 @@ Data flow and owners:
               chat.py         /v1/chat/completions  messages (+ tools, tool_calls.py) → chat template → ids
             generate_routes.py  SGLang /generate, /health, /metrics (metrics.py)
          ─▶ state.py          model check, context check, OpenAI body → engine SamplingParams
+              lifetime.py     each request's deadline (`timeout`, the server's default) and the drain
          ─▶ streams.py        GenerationStream: one backend stream per prompt, primed (rejections are
                               400/503 before any byte), merged; closed on finish/error/disconnect,
                               which aborts the request in the engine (its KV pages are freed)
@@ -17,5 +18,6 @@ Data flow and owners:
          ◀─ chat_stream.py / completions.py: StreamOutputs → JSON or SSE chunks; protocol.py models
 
 Tokenize once, here (docs/design.md): backends see token ids only. Errors leave as OpenAI error bodies
-(errors.py). `python -m serving --model PATH` runs the single-node server (__main__.py).
+(errors.py). `python -m serving --model PATH` runs the single-node server (__main__.py; server.py:
+uvicorn with a graceful drain on SIGTERM).
 """

@@ -1,5 +1,6 @@
 """`python -m serving --model PATH [--host H] [--port P] [--api-key K] [engine options]`:
-one engine.Engine behind the OpenAI-compatible app, served by uvicorn. This process runs HTTP, the
+one engine.Engine behind the OpenAI-compatible app, served by uvicorn (serving/server.py: SIGTERM
+drains running requests before the process exits). This process runs HTTP, the
 tokenizer, text and SSE; the Engine's core (scheduler, model, KV cache) runs in a process of its own
 (--core-process, on by default here), so the two never wait for each other.
 
@@ -16,15 +17,24 @@ import typing
 from typing import Any, List, Optional
 
 from engine.config import EngineConfig
-from serving.app import DEFAULT_MAX_BODY_BYTES
+from serving.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_TIMEOUT_S
+from serving.server import DEFAULT_GRACE_S
 
 _SERVER_FIELDS = {"model"}
-SERVER_DEFAULTS = {"core_process": True, "enable_mixed_chunk": True, "max_prefill_tokens": 8192}
+SERVER_DEFAULTS = {
+    "core_process": True,
+    "enable_mixed_chunk": True,
+    "max_prefill_tokens": 8192,
+    "max_queued_requests": 128,
+}
 """Engine options whose server default differs from the library's (offline) one: a server runs its
 scheduler in a process of its own, so that HTTP, text and SSE never stall a step; and it bounds the
 latency of running requests while prompts arrive: each step carries their decode tokens beside the
 prefill, within a budget of 8192 tokens (vLLM's server default), where an offline batch prefers
-larger prefill steps. The cluster's workers use the same (cluster/config.py)."""
+larger prefill steps. A server also sheds load: beyond max_running_requests, at most 128 requests
+wait (half a batch at the default 256), so an admitted request's wait stays bounded and the excess
+gets a fast 503 with Retry-After; an offline batch queues everything. The cluster's workers use the
+same (cluster/config.py)."""
 
 
 def _field_type(f: dataclasses.Field) -> tuple:
@@ -54,6 +64,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="Require 'Authorization: Bearer KEY' on /v1/* and /generate (env RADIXSERVE_API_KEY).",
     )
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="Larger request bodies get 413.")
+    p.add_argument(
+        "--request-timeout-s",
+        type=_positive_or_none,
+        default=DEFAULT_REQUEST_TIMEOUT_S,
+        help="Default deadline of a request, queueing included ('none': no default); a request's "
+        f"'timeout' may shorten it (default: {DEFAULT_REQUEST_TIMEOUT_S:g}).",
+    )
+    p.add_argument(
+        "--graceful-shutdown-timeout-s",
+        type=float,
+        default=DEFAULT_GRACE_S,
+        help="On SIGTERM / Ctrl-C: stop admitting, let running requests finish this long, then end "
+        f"them with an error (default: {DEFAULT_GRACE_S:g}).",
+    )
     p.add_argument("--log-level", default="info")
     group = p.add_argument_group("engine options (engine.config.EngineConfig)")
     for f in dataclasses.fields(EngineConfig):
@@ -70,6 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _positive_or_none(value: str) -> Optional[float]:
+    if value.lower() == "none":
+        return None
+    seconds = float(value)
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 or 'none', got {value}")
+    return seconds
+
+
 def default_model_name(model: Optional[str]) -> str:
     if model is None:
         return "SmolLM2-135M-Instruct"
@@ -79,9 +112,8 @@ def default_model_name(model: Optional[str]) -> str:
 def main(argv: Optional[List[str]] = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper())
-    import uvicorn
-
     from engine import Engine
+    from serving import server
     from serving.app import build_app
     from serving.backend import EngineBackend
 
@@ -94,9 +126,17 @@ def main(argv: Optional[List[str]] = None) -> None:
         api_key=args.api_key,
         model_name=args.served_model_name or default_model_name(args.model),
         max_body_bytes=args.max_body_bytes,
+        request_timeout_s=args.request_timeout_s,
     )
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        server.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            grace_s=args.graceful_shutdown_timeout_s,
+            on_stopped=engine.shutdown,
+        )
     finally:
         engine.shutdown()
 

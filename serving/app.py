@@ -18,12 +18,17 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from serving import generate_routes, openai_routes
 from serving.backend import ServingBackend
 from serving.errors import error_response, install_error_handlers
+from serving.lifetime import Lifetimes
 from serving.metrics import Metrics
 from serving.state import ServingState
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 """Large enough for a prompt filling a 128K-token context as text or token ids (about 1 MB); a larger
 body is refused from its Content-Length before it is read or parsed."""
+
+DEFAULT_REQUEST_TIMEOUT_S = 600.0
+"""Default deadline of a request, queueing included: what admission control lets wait is bounded
+well below it, so it ends only what is stuck (a client that sends `timeout` may ask for less)."""
 
 
 def build_app(
@@ -34,6 +39,7 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     title: str = "radixserve",
     own_auth_prefixes: Tuple[str, ...] = (),
+    request_timeout_s: Optional[float] = DEFAULT_REQUEST_TIMEOUT_S,
 ) -> FastAPI:
     """The OpenAI-compatible app serving `backend` under `model_name`.
 
@@ -41,6 +47,9 @@ def build_app(
     /health and /metrics (OPEN_PATHS: probes and scrapers carry no key) and routes under
     `own_auth_prefixes`, which check a key of their own (the cluster's admin routes).
     `max_body_bytes`: larger bodies get a 413.
+    `request_timeout_s`: the default deadline of every request, queueing included (None: none); a
+    request's own `timeout` can only shorten it. `app.state.serving.lifetimes.drain(grace_s)` starts
+    a drain (serving/lifetime.py).
     """
     app = FastAPI(
         title=title,
@@ -49,7 +58,9 @@ def build_app(
         "and SGLang's native /generate.",
     )
     metrics = Metrics(model_name)
-    app.state.serving = ServingState(backend=backend, model_name=model_name, metrics=metrics)
+    app.state.serving = ServingState(
+        backend=backend, model_name=model_name, metrics=metrics, lifetimes=Lifetimes(request_timeout_s)
+    )
     install_error_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(generate_routes.router)

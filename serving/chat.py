@@ -30,7 +30,7 @@ from serving.protocol import (
     new_id,
 )
 from serving.state import ServingState, get_state
-from serving.streams import GenerationStream, cancel_on_disconnect, collect, stream_response
+from serving.streams import cancel_on_disconnect, collect, stream_response
 
 router = APIRouter()
 
@@ -166,7 +166,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         body, max_tokens, logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0, json_schema=plan.json_schema
     )
     rid = new_id("chatcmpl")
-    stream = await GenerationStream.start(st.backend, [plan.prompt_ids], params, rid, st.metrics.timer())
+    stream = await st.start_stream([plan.prompt_ids], params, rid, body.timeout)
     if body.stream:
         return stream_response(stream, chat_events(st, body, plan, rid, stream))
     states = await cancel_on_disconnect(request, collect(stream, 1, params.n))

@@ -5,8 +5,9 @@ Every error leaves the server as
     {"error": {"message": str, "type": str, "param": str | null, "code": str | int | null}}
 
 with: 400 invalid request (pydantic validation included, FastAPI's 422 becomes 400), 401 bad or
-missing API key, 404 unknown route, 413 body too large, 503 queue full / engine down. Bad input
-never reaches the 500 handler; that one exists so a bug still answers in the same shape.
+missing API key, 404 unknown route, 413 body too large, 503 queue full / engine down / shutting
+down (queue full and shutting down with Retry-After), 504 deadline exceeded. Bad input never
+reaches the 500 handler; that one exists so a bug still answers in the same shape.
 """
 
 from __future__ import annotations
@@ -32,16 +33,35 @@ _TYPES = {
     413: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable",
+    504: "timeout_error",
     500: "internal_server_error",
 }
 
 
-class APIError(Exception):
-    """An error the routes raise on purpose; turned into an OpenAI error body."""
+RETRY_AFTER_S = 1
+"""Seconds a client is told to wait (Retry-After) when the server is full or shutting down."""
 
-    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Any = None):
+
+class APIError(Exception):
+    """An error the routes raise on purpose; turned into an OpenAI error body. `retry_after` (seconds)
+    becomes a Retry-After header: the request was refused for load, not for what it asked."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: Optional[str] = None,
+        code: Any = None,
+        *,
+        retry_after: Optional[int] = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after = retry_after
+
+    @property
+    def headers(self) -> Optional[dict]:
+        return None if self.retry_after is None else {"Retry-After": str(self.retry_after)}
 
 
 def error_body(status: int, message: str, param: Optional[str] = None, code: Any = None) -> dict:
@@ -63,7 +83,7 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc), exc.param, "invalid_request")
     if isinstance(exc, QueueFullError):
-        return APIError(503, str(exc), None, "queue_full")
+        return APIError(503, str(exc), None, "queue_full", retry_after=RETRY_AFTER_S)
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), None, "engine_unavailable")
     logger.exception("internal error", exc_info=exc)
@@ -97,12 +117,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param, exc.code)
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(EngineError)
     async def _engine_error(_: Request, exc: EngineError) -> JSONResponse:
         err = to_api_error(exc)
-        return error_response(err.status, err.message, err.param, err.code)
+        return error_response(err.status, err.message, err.param, err.code, err.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -119,4 +139,4 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _other(_: Request, exc: Exception) -> JSONResponse:
         err = to_api_error(exc)
-        return error_response(err.status, err.message, err.param, err.code)
+        return error_response(err.status, err.message, err.param, err.code, err.headers)

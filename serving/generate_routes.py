@@ -71,7 +71,7 @@ async def generate(body: GenerateRequest, request: Request):
     for ids in prompts:
         st.check_context(len(ids), params.max_new_tokens, "input_ids")
     rid = body.rid or new_id("gen")
-    stream = await GenerationStream.start(st.backend, prompts, params, rid, st.metrics.timer())
+    stream = await st.start_stream(prompts, params, rid, body.timeout)
     many = batch or params.n > 1
     if body.stream:
         return stream_response(stream, _events(rid, body, stream, len(prompts)))
@@ -94,7 +94,9 @@ async def _events(rid: str, body: GenerateRequest, stream: GenerationStream, num
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    ok = await get_state(request).backend.health()
+    """200 while requests can be served; 503 when the backend is down or the server drains."""
+    st = get_state(request)
+    ok = not st.lifetimes.draining and await st.backend.health()
     return Response(status_code=200 if ok else 503)
 
 

@@ -24,6 +24,15 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+TIMEOUT_FIELD = Field(
+    None,
+    gt=0.0,
+    le=86400.0,
+    description="Seconds this request may take, queueing included (the server's default applies too; the "
+    "earlier wins). Past it the request is aborted: a 504, or an error event in a stream.",
+)
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
@@ -57,6 +66,7 @@ class _SamplingFields(SGLangExtras):
     user: Optional[str] = Field(None, description="End-user id (accepted, unused).")
     stream: bool = Field(False, description="Stream server-sent events.")
     stream_options: Optional[StreamOptions] = None
+    timeout: Optional[float] = TIMEOUT_FIELD
 
 
 # ---- /v1/completions -------------------------------------------------------------------------
@@ -261,3 +271,4 @@ class GenerateRequest(_Request):
     rid: Optional[str] = None
     return_logprob: bool = False
     top_logprobs_num: int = Field(0, ge=0, le=20)
+    timeout: Optional[float] = TIMEOUT_FIELD

@@ -1,4 +1,4 @@
-"""ServingState: what every route shares (backend, model name, metrics) and the request → engine
+"""ServingState: what every route shares (backend, model name, metrics, request lifetimes) and the request → engine
 translation they have in common: model check, prompt → ids, context check, SamplingParams, token
 strings for logprobs, usage."""
 
@@ -13,8 +13,10 @@ from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from serving.backend import ServingBackend
 from serving.errors import APIError
+from serving.lifetime import Lifetimes
 from serving.metrics import Metrics
 from serving.protocol import PromptTokensDetails, Usage
+from serving.streams import GenerationStream
 
 
 @dataclass
@@ -22,7 +24,21 @@ class ServingState:
     backend: ServingBackend
     model_name: str
     metrics: Metrics
+    lifetimes: Lifetimes
+    """Deadlines of the requests in flight, and the drain on shutdown."""
     _token_strs: Dict[int, str] = field(default_factory=dict)
+
+    async def start_stream(
+        self, prompts: List[List[int]], params: SamplingParams, rid: str, timeout_s: Optional[float]
+    ) -> GenerationStream:
+        """The GenerationStream of a validated request, bounded by its deadline (`timeout_s`, the
+        server's default, the drain); 503 + Retry-After while the server drains."""
+        lifetime = self.lifetimes.begin(timeout_s)
+        try:
+            return await GenerationStream.start(self.backend, prompts, params, rid, self.metrics.timer(), lifetime)
+        except BaseException:
+            lifetime.end()
+            raise
 
     @property
     def tokenizer(self) -> Any:

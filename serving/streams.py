@@ -5,7 +5,8 @@
     ──iterate()──▶ (prompt index, StreamOutput) merged over prompts
     ──SSEResponse──▶ `data: {json}\\n\\n` … `data: [DONE]\\n\\n`
 
-Ownership: a GenerationStream owns its backend streams. `close()` (called whatever ends the
+Ownership: a GenerationStream owns its backend streams and its request's Lifetime (deadline, drain:
+every wait for an output is bounded by it). `close()` (called whatever ends the
 response: finish, error, client disconnect) cancels them and aborts their rids, so the engine
 frees their pages. `SSEResponse` watches for the client's disconnect itself (Starlette does not
 on ASGI spec >= 2.4), and `cancel_on_disconnect` does the same for non-streamed responses.
@@ -26,6 +27,7 @@ from starlette.responses import StreamingResponse
 from engine.sampling_params import SamplingParams
 from serving.backend import ServingBackend
 from serving.errors import APIError, error_body, to_api_error
+from serving.lifetime import Lifetime
 from serving.metrics import RequestTimer
 
 
@@ -39,8 +41,10 @@ class GenerationStream:
         iters: List[AsyncIterator[Any]],
         firsts: List[Any],
         timer: Optional[RequestTimer],
+        lifetime: Optional[Lifetime] = None,
     ):
         self.backend, self.rids, self.iters, self.firsts, self.timer = backend, rids, iters, firsts, timer
+        self.lifetime = lifetime
         self.n = 1
         self._tasks: List[asyncio.Task] = []
         self._closed = False
@@ -53,13 +57,19 @@ class GenerationStream:
         params: SamplingParams,
         base_rid: str,
         timer: Optional[RequestTimer] = None,
+        lifetime: Optional[Lifetime] = None,
     ) -> "GenerationStream":
-        """Submit every prompt and wait for each one's first output; raise the first rejection."""
+        """Submit every prompt and wait for each one's first output; raise the first rejection (or the
+        lifetime's error when its deadline passes first). The stream owns `lifetime` and ends it on close."""
         rids = [base_rid if len(prompts) == 1 else f"{base_rid}-{i}" for i in range(len(prompts))]
         iters = [backend.generate_stream(ids, params, rid).__aiter__() for ids, rid in zip(prompts, rids)]
-        stream = cls(backend, rids, iters, [], timer)
+        stream = cls(backend, rids, iters, [], timer, lifetime)
         stream.n = params.n
-        results = await asyncio.gather(*(it.__anext__() for it in iters), return_exceptions=True)
+        try:
+            results = await stream._bounded(asyncio.gather(*(it.__anext__() for it in iters), return_exceptions=True))
+        except BaseException:
+            await stream.close()
+            raise
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             await stream.close()
@@ -67,13 +77,20 @@ class GenerationStream:
         stream.firsts = list(results)
         return stream
 
+    def _bounded(self, work: Awaitable[Any]) -> Awaitable[Any]:
+        return work if self.lifetime is None else self.lifetime.bounded(work)
+
     async def iterate(self) -> AsyncIterator[Tuple[int, Any]]:
         """(prompt index, StreamOutput) until every choice of every prompt finished."""
         if len(self.iters) == 1:
             yield self._seen(0, self.firsts[0])
-            async for out in self.iters[0]:
+            it = self.iters[0]
+            while True:
+                try:
+                    out = await self._bounded(it.__anext__())
+                except StopAsyncIteration:
+                    return
                 yield self._seen(0, out)
-            return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int) -> None:
@@ -88,7 +105,7 @@ class GenerationStream:
         self._tasks = [asyncio.ensure_future(pump(i)) for i in range(len(self.iters))]
         pending = len(self.iters)
         while pending:
-            i, out = await queue.get()
+            i, out = await self._bounded(queue.get())
             if out is None:
                 pending -= 1
             elif isinstance(out, BaseException):
@@ -118,6 +135,8 @@ class GenerationStream:
             self.backend.abort(rid)
         if self.timer is not None:
             self.timer.finish()
+        if self.lifetime is not None:
+            self.lifetime.end()
 
 
 @dataclass

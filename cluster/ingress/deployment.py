@@ -25,6 +25,7 @@ class Ingress:
         api_key: Optional[str],
         max_body_bytes: int,
         admin_api_key: Optional[str] = None,
+        request_timeout_s: Optional[float] = None,
         mode: str = "unified",
         tokenizer_source: Optional[str] = None,
         prefill=None,
@@ -36,7 +37,7 @@ class Ingress:
 
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.model_name, self.api_key, self.max_body_bytes = model_name, api_key, max_body_bytes
-        self.admin_api_key = admin_api_key
+        self.admin_api_key, self.request_timeout_s = admin_api_key, request_timeout_s
         tokenizer = await asyncio.to_thread(load_tokenizer, resolve_model(tokenizer_source or model))
         info = await asyncio.wait_for(workers.info.remote(), 600)  # waits for a first worker to be up
         if mode == "disaggregated":
@@ -64,6 +65,7 @@ class Ingress:
             max_body_bytes=self.max_body_bytes,
             title="radixserve cluster",
             own_auth_prefixes=own_auth,
+            request_timeout_s=self.request_timeout_s,
         )
         app.state.serving.metrics.registry.register(WorkerGauges(self.backend, self.model_name))
         install_admin(app, self.backend.router, self.admin_api_key, self.model_name)  # /admin, /dashboard

@@ -33,7 +33,7 @@ from engine.core.messages import (
     ReleaseExport,
     StepOutputs,
 )
-from engine.errors import EngineDeadError, InvalidConfigError, InvalidRequestError, QueueFullError
+from engine.errors import EngineDeadError, InvalidConfigError, InvalidRequestError
 from engine.memory.kv_cache_manager import KVCacheManager
 from engine.memory.radix_cache import RadixCache
 from engine.models.source import ModelSource
@@ -173,10 +173,6 @@ class EngineCore:
 
     def _add(self, msg: AddRequest) -> None:
         reqs = self._make_group(msg)
-        limit = self.config.max_queued_requests
-        if limit is not None and len(self.scheduler.waiting) + len(reqs) > limit:
-            self._fail(reqs, QueueFullError(f"the waiting queue is full ({limit} requests); retry later"))
-            return
         if grammar_key(msg.params) is None:
             self._enqueue(reqs)
             return

@@ -27,6 +27,7 @@ def run_script(name, *args):
         "bench_offline.py",
         "bench_serving.py",
         "bench_overhead.py",
+        "bench_overload.py",
         "bench_router.py",
         "bench_kv_transfer.py",
         "bench_decode.py",
@@ -78,6 +79,31 @@ def test_bench_serving_against_the_server(default_engine, tmp_path, dataset):
     result = json.loads(out.read_text())
     summary = result.get("summary") or result
     assert summary["completed"] == summary["requests"] > 0 and summary["failed"] == 0
+    assert_no_leak(default_engine)
+
+
+def test_bench_overload_sees_the_excess_refused(default_engine, tmp_path):
+    """A burst beyond max_running_requests + max_queued_requests: the excess gets 503 + Retry-After."""
+    from serving.app import build_app
+    from serving.backend import EngineBackend
+
+    config, out = default_engine.config, tmp_path / "overload.json"
+    saved = config.max_running_requests, config.max_queued_requests
+    object.__setattr__(config, "max_running_requests", 2)  # frozen dataclass; restored below
+    object.__setattr__(config, "max_queued_requests", 1)
+    try:
+        with serve(build_app(EngineBackend(default_engine), model_name=MODEL)) as url:
+            args = ["--url", url, "--model", MODEL, "--capacity", "3", "--burst", "8", "--max-tokens", "24"]
+            proc = run_script("bench_overload.py", *args, "--out", str(out))
+    finally:
+        object.__setattr__(config, "max_running_requests", saved[0])
+        object.__setattr__(config, "max_queued_requests", saved[1])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    phases = json.loads(out.read_text())["phases"]
+    assert phases["capacity"]["admitted"] == 3 and phases["capacity"]["refused"] == 0
+    burst = phases["burst"]
+    assert burst["admitted"] + burst["refused"] == 8 and burst["refused"] >= 1
+    assert burst["statuses"] == [200, 503] and burst["retry_after"] == ["1"]
     assert_no_leak(default_engine)
 
 

@@ -185,16 +185,29 @@ def test_every_route_but_health_and_metrics_needs_the_key(secure_url):
                 assert_error(c.request(method, path, json={}), 401)
 
 
-def test_queue_full_is_503(http, default_engine):
+def test_queue_full_is_503_with_retry_after(base_url, default_engine):
+    """One running slot, no queue: while a long stream holds the slot, the next request gets a 503
+    with Retry-After at once; after it, requests are admitted again."""
     config = default_engine.config
-    object.__setattr__(config, "max_queued_requests", 0)  # frozen dataclass; restored below
+    saved = config.max_running_requests, config.max_queued_requests
+    object.__setattr__(config, "max_running_requests", 1)  # frozen dataclass; restored below
+    object.__setattr__(config, "max_queued_requests", 0)
     try:
-        err = assert_error(http.post("/v1/completions", json=cmpl()), 503)
-        assert err["code"] == "queue_full"
-        assert_error(http.post("/v1/chat/completions", json=chat(stream=True)), 503)
+        with httpx.Client(base_url=base_url, timeout=60) as c:
+            with c.stream("POST", "/v1/completions", json=cmpl(**_long(stream=True))) as r:
+                assert r.status_code == 200
+                lines = r.iter_lines()  # kept referenced: a collected iterator closes the stream
+                next(line for line in lines if line)  # running: it holds the one slot
+                full = c.post("/v1/completions", json=cmpl())
+                err = assert_error(full, 503)
+                assert err["code"] == "queue_full" and full.headers["retry-after"] == "1"
+                assert_error(c.post("/v1/chat/completions", json=chat(stream=True)), 503)
+        wait_idle(default_engine)
     finally:
-        object.__setattr__(config, "max_queued_requests", None)
-    assert http.post("/v1/completions", json=cmpl()).status_code == 200
+        object.__setattr__(config, "max_running_requests", saved[0])
+        object.__setattr__(config, "max_queued_requests", saved[1])
+    with httpx.Client(base_url=base_url, timeout=60) as c:
+        assert c.post("/v1/completions", json=cmpl()).status_code == 200
 
 
 def _sse_lines(response: httpx.Response) -> list:

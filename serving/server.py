@@ -1,0 +1,64 @@
+"""The single-node HTTP server: uvicorn with a graceful drain on SIGTERM / Ctrl-C.
+
+Shutdown order (uvicorn calls `shutdown` once its signal handler asked it to exit):
+  1. the app's Lifetimes start draining: /health answers 503 and a request that still arrives
+     (on an open keep-alive connection) gets 503 + Retry-After;
+  2. uvicorn stops listening (the port is released) and closes idle connections;
+  3. running requests finish; any still running `grace_s` after the signal is ended with a 503
+     `shutting_down` error (an error event and `[DONE]` in a stream), which frees its KV pages;
+  4. uvicorn's own limit (`grace_s` + a margin) only backs this up; `on_stopped` releases the
+     backend, and the process exits.
+A second signal exits at once (uvicorn's force exit).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional
+
+import uvicorn
+from fastapi import FastAPI
+
+DEFAULT_GRACE_S = 30.0
+"""How long running requests may take to finish after SIGTERM."""
+
+_UVICORN_MARGIN_S = 5.0
+"""uvicorn's own drain timeout exceeds the grace by this much, so the app ends every request itself."""
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose shutdown lets the app's requests finish within `grace_s`."""
+
+    def __init__(
+        self,
+        app: FastAPI,
+        grace_s: float = DEFAULT_GRACE_S,
+        on_stopped: Optional[Callable[[], None]] = None,
+        **config,
+    ):
+        if grace_s < 0:
+            raise ValueError(f"grace_s must be >= 0, got {grace_s}")
+        super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=grace_s + _UVICORN_MARGIN_S, **config))
+        self.app, self.grace_s, self.on_stopped = app, grace_s, on_stopped
+
+    async def shutdown(self, sockets: Optional[List] = None) -> None:
+        self.app.state.serving.lifetimes.drain(self.grace_s)
+        try:
+            await super().shutdown(sockets=sockets)
+        finally:
+            if self.on_stopped is not None:
+                self.on_stopped()
+
+
+def run(
+    app: FastAPI,
+    *,
+    host: str,
+    port: int,
+    log_level: str = "info",
+    grace_s: float = DEFAULT_GRACE_S,
+    on_stopped: Optional[Callable[[], None]] = None,
+) -> None:
+    """Serve `app` until SIGTERM / SIGINT, drain (see the module docstring), then call `on_stopped`
+    (what the app's backend must release). uvicorn then re-raises the signal it caught, so the
+    process ends the way the signal asked (exit status -SIGTERM for a parent that waits on it)."""
+    DrainingServer(app, grace_s, on_stopped, host=host, port=port, log_level=log_level).run()
