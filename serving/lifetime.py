@@ -9,8 +9,8 @@
         becomes at most now + grace_s, when it is ended with a 503 `shutting_down` error; `idle()`
         resolves once no request is left.
 
-A deadline is the earlier of the request's `timeout` and the server's default; None = no limit. The
-check costs one timer per wait (asyncio.timeout_at), nothing per token beyond it.
+A deadline is the earlier of the request's `timeout` and the server's default; None = no limit. It
+costs one timer per request; a wait costs two attribute writes (the hot path runs once per token).
 """
 
 from __future__ import annotations
@@ -24,42 +24,75 @@ T = TypeVar("T")
 
 
 class Lifetime:
-    """One request's deadline (event-loop time; None = unbounded). Owned by its GenerationStream."""
+    """One request's deadline (event-loop time; None = unbounded). Owned by its GenerationStream.
+
+    One timer per request, not one per wait: at the deadline it cancels the wait in progress (the
+    task suspended in `bounded`), or the next `bounded` call raises at once."""
 
     def __init__(self, owner: "Lifetimes", deadline: Optional[float], timeout_s: Optional[float]):
         self._owner, self.deadline, self._timeout_s = owner, deadline, timeout_s
         self._cut: Optional[APIError] = None
         """The error of a drain that moved the deadline (None: the deadline is the request's own)."""
-        self._waiting: Optional[asyncio.Timeout] = None
+        self._expired = False
+        self._waiter: Optional[asyncio.Task] = None
+        """The task suspended in `bounded` (what the timer cancels)."""
+        self._timer: Optional[asyncio.TimerHandle] = None
+        if deadline is not None:
+            self._arm()
 
     async def bounded(self, work: Awaitable[T]) -> T:
         """`await work`, raising the request's APIError if its deadline passes first (work is cancelled)."""
+        if self._expired:
+            _discard(work)
+            raise self._error()
+        task = asyncio.current_task()
+        self._waiter = task
         try:
-            async with asyncio.timeout_at(self.deadline) as waiting:
-                self._waiting = waiting
-                return await work
-        except TimeoutError:
-            raise self._expired() from None
+            return await work
+        except asyncio.CancelledError:
+            if self._expired and task is not None and task.uncancel() == 0:  # the timer's cancel, no other
+                raise self._error() from None
+            raise
         finally:
-            self._waiting = None
+            self._waiter = None
 
     def cut_at(self, when: float, error: APIError) -> None:
         """Move the deadline to `when` if that is earlier; the request then ends with `error`."""
-        if self.deadline is None or when < self.deadline:
+        if not self._expired and (self.deadline is None or when < self.deadline):
             self.deadline, self._cut = when, error
-            if self._waiting is not None:
-                self._waiting.reschedule(when)
+            self._arm()
 
     def end(self) -> None:
         """The request is over (idempotent)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         self._owner._ended(self)
 
-    def _expired(self) -> APIError:
+    def _arm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = asyncio.get_running_loop().call_at(self.deadline, self._expire)
+
+    def _expire(self) -> None:
+        self._timer, self._expired = None, True
+        if self._waiter is not None:
+            self._waiter.cancel()
+
+    def _error(self) -> APIError:
         if self._cut is not None:
             return self._cut
         return APIError(
             504, f"the request exceeded its deadline of {self._timeout_s:g} s", "timeout", "deadline_exceeded"
         )
+
+
+def _discard(work: Awaitable) -> None:
+    """Drop an awaitable that will not be awaited (no 'never awaited' warning, no orphan task)."""
+    if asyncio.iscoroutine(work):
+        work.close()
+    elif isinstance(work, asyncio.Future):
+        work.cancel()
 
 
 class Lifetimes:
