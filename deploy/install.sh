@@ -10,7 +10,9 @@ EXTRA=${1:-}
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 PY="$VENV/bin/python"
 stamp="$VENV/.radixserve-installed${EXTRA:+-$EXTRA}"
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+fresh() { [ -f "$1" ] && ! [ pyproject.toml -nt "$1" ]; }
+# The test extra's install holds the base one (serve.sh after the tests installs nothing).
+if ! fresh "$stamp" && ! { [ -z "$EXTRA" ] && fresh "$VENV/.radixserve-installed-test"; }; then
   "$PY" -m pip install -q --upgrade pip
   # CPU wheel of torch first (an unpinned torch would pull a multi-GB CUDA build).
   "$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q torch==2.13.0

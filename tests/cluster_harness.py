@@ -5,10 +5,12 @@ url = start_serve(ClusterArgs(...), app="name")   # ray.init(num_cpus=2) + Serve
 stop_serve()
 """
 
+import asyncio
+import json
 import os
 import socket
 import time
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 WORKER_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
@@ -140,3 +142,44 @@ def cluster_idle(stats: Dict) -> bool:
         if e.get("kv_free_tokens", 0) + e.get("kv_evictable_tokens", 0) != e.get("kv_total_tokens", -1):
             return False
     return bool(stats["workers"])
+
+
+async def streams_across_a_kill(
+    base_url: str, bodies: List[dict], kill: Callable[[], None], headers: Optional[Dict[str, str]] = None
+) -> Tuple[List[str], List[Tuple[str, float]]]:
+    """Each completion body (greedy) once undisturbed, then all at once as streams; once every stream has
+    4 events, `kill()` runs (a replica dies). Returns (undisturbed texts, per stream (text, largest gap
+    in seconds between two of its events)). Every stream must answer 200, carry no error event and end
+    with [DONE]."""
+    import httpx
+
+    started, all_started = 0, asyncio.Event()
+
+    async def one(client, body: dict) -> Tuple[str, float]:
+        nonlocal started
+        text, events, last, gap = "", 0, None, 0.0
+        async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line:
+                    continue
+                now = asyncio.get_running_loop().time()
+                gap, last, events = (0.0 if last is None else max(gap, now - last)), now, events + 1
+                if line == "data: [DONE]":
+                    return text, gap
+                chunk = json.loads(line[len("data: ") :])
+                assert "error" not in chunk, chunk
+                text += chunk["choices"][0]["text"]
+                if events == 4:
+                    started += 1
+                    if started == len(bodies):
+                        all_started.set()
+        raise AssertionError(f"the stream ended without [DONE] after {events} events")
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=300, headers=headers) as client:
+        undisturbed = await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
+        reference = [r.json()["choices"][0]["text"] for r in undisturbed]
+        tasks = [asyncio.ensure_future(one(client, b)) for b in bodies]
+        await asyncio.wait_for(all_started.wait(), 240)
+        kill()
+        return reference, list(await asyncio.gather(*tasks))

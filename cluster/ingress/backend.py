@@ -14,15 +14,18 @@
 
 Aborts: serving closes the backend stream on client disconnect; the request is then aborted on its
 worker (Worker.abort), which frees its KV pages. A request whose worker left before anything was
-streamed is routed again (MAX_ROUTE_ATTEMPTS). Ingress replicas hold no routing state (it lives in
-the router deployment), so they scale freely.
+streamed is routed again; one that left mid-stream is continued on another worker from the tokens
+generated so far (Continuation: the client sees one uninterrupted stream), MAX_ROUTE_ATTEMPTS in all.
+Ingress replicas hold no routing state (it lives in the router deployment), so they scale freely.
 """
 
 import asyncio
+import dataclasses
+import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Dict, List, Optional
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Tuple
 
 from ray.exceptions import ActorUnavailableError
 
@@ -30,20 +33,48 @@ from cluster.latency import IngressLatency, RequestClock
 from cluster.router.policies import NoWorkersError
 from cluster.rpc import STREAM_OPTIONS, awaited, detached, is_dead, unwrap
 from cluster.workers.base import WorkerItem, WrongReplicaError
+from engine.sampling_params import SamplingParams
 from engine.text import OutputText
 from serving.backend import ServingBackend
 from serving.errors import APIError
 
 
+logger = logging.getLogger("ray.serve")
+
 _RPC_TIMEOUT_S = 120.0
 
 
 MAX_ROUTE_ATTEMPTS = 3
-"""Routings per request while its worker is gone before it streamed anything."""
+"""Routings per request (the first and each worker that left under it, before or while it streamed)."""
 
 
 def _worker_gone(exc: BaseException) -> bool:
     return is_dead(exc) or isinstance(exc, WrongReplicaError)
+
+
+def may_continue(
+    cause: BaseException,
+    progress: "RequestProgress",
+    continuation: "Continuation",
+    attempt: int,
+    max_attempts: int,
+    retryable: Callable[[BaseException], bool],
+) -> bool:
+    """Whether a failed attempt is tried again on another worker: the failure is `retryable`, attempts are
+    left, and nothing was streamed yet or the request can be continued from its tokens so far."""
+    if attempt >= max_attempts or not retryable(cause):
+        return False
+    return not progress.streamed or continuation.resumable
+
+
+def _log_continue(rid: str, worker_id: str, continuation: "Continuation") -> None:
+    if continuation.generated:
+        logger.warning(
+            "request %s: worker %s left after %d tokens; continuing on another worker",
+            rid,
+            worker_id,
+            len(continuation.generated),
+        )
 
 
 class WorkerStream:
@@ -95,6 +126,51 @@ class WorkerStream:
     def cancel(self) -> None:
         self._gen.cancel()
         self._task.cancel()
+
+
+class Continuation:
+    """What a request (n == 1) has generated so far, so that it can go on elsewhere when its worker dies
+    mid-stream: the next attempt's prompt is the original prompt followed by every token generated, its
+    budget what is left of max_new_tokens; the radix cache of the new worker makes the common prefix
+    cheap. Outputs of a continued attempt are renumbered as the client's one request (prompt_tokens,
+    completion_tokens, cached_tokens of the first attempt). Greedy continuations are token-identical;
+    seeded sampling continues with a fresh generator (its draws differ after the cut), and a grammar
+    constraint or prompt logprobs cannot be resumed, so those requests fail as before."""
+
+    def __init__(self, input_ids: List[int], params: SamplingParams):
+        self.input_ids, self.params = input_ids, params
+        self.generated: List[int] = []
+        self._base = 0
+        """Tokens generated before the current attempt."""
+        self._cached: Optional[int] = None
+
+    @property
+    def resumable(self) -> bool:
+        p = self.params
+        constrained = p.json_schema is not None or p.regex is not None or p.ebnf is not None
+        return p.n == 1 and not constrained and p.prompt_logprobs is None
+
+    def attempt(self) -> Tuple[List[int], SamplingParams]:
+        """The prompt and params of the next attempt."""
+        self._base = done = len(self.generated)
+        if not done:
+            return self.input_ids, self.params
+        return self.input_ids + self.generated, dataclasses.replace(
+            self.params, max_new_tokens=self.params.max_new_tokens - done
+        )
+
+    def seen(self, out: Any) -> Any:
+        """`out` (a worker's StreamOutput) as an output of the client's request; records its tokens."""
+        self.generated.extend(out.new_token_ids)
+        if not self._base:
+            self._cached = out.cached_tokens
+            return out
+        return dataclasses.replace(
+            out,
+            prompt_tokens=len(self.input_ids),
+            cached_tokens=self._cached if self._cached is not None else 0,
+            completion_tokens=out.completion_tokens + self._base,
+        )
 
 
 @dataclass
@@ -168,9 +244,11 @@ class ClusterBackend(ServingBackend):
 
     async def generate_stream(self, input_ids: List[int], params: Any, rid: str) -> AsyncIterator[Any]:
         text = OutputText(self.tokenizer, input_ids, params)  # before routing: nothing to finish if it raises
+        continuation = Continuation(input_ids, params)
         for attempt in range(1, MAX_ROUTE_ATTEMPTS + 1):
+            ids, attempt_params = continuation.attempt()
             decision = await self._ask_router(
-                lambda: self.router.route.remote(input_ids, rid), lambda late: self._finish(late.worker_id)
+                lambda: self.router.route.remote(ids, rid), lambda late: self._finish(late.worker_id)
             )
             worker_id = decision.worker_id
             progress = RequestProgress(params.n)
@@ -178,20 +256,21 @@ class ClusterBackend(ServingBackend):
             queue = self._open(worker_id, rid)
             self._on_failure(
                 self.workers.options(session_id=worker_id).submit.remote(
-                    input_ids, params, rid, self.ingress_id, worker_id
+                    ids, attempt_params, rid, self.ingress_id, worker_id
                 ),
                 rid,
                 queue,
             )
             try:
-                async for out in self._outputs(queue, text, worker_id, rid, params.n, clock, progress):
+                async for out in self._outputs(queue, text, worker_id, rid, params.n, clock, progress, continuation):
                     yield out
                 return
-            except Exception as exc:  # noqa: BLE001 - a worker that left before streaming: route again
+            except Exception as exc:  # noqa: BLE001 - a worker that left: route again, continuing the stream
                 cause = unwrap(exc)
-                if progress.streamed or attempt == MAX_ROUTE_ATTEMPTS or not _worker_gone(cause):
+                if not may_continue(cause, progress, continuation, attempt, MAX_ROUTE_ATTEMPTS, _worker_gone):
                     raise cause from None
                 await self._report_dead(worker_id)
+                _log_continue(rid, worker_id, continuation)
             finally:
                 self._close(worker_id, rid, progress)
                 self.latency.on_request(clock)
@@ -211,6 +290,7 @@ class ClusterBackend(ServingBackend):
         n: int,
         clock: RequestClock,
         progress: "RequestProgress",
+        continuation: Continuation,
     ) -> AsyncIterator[Any]:
         """The request's outputs with their text, until its last choice has ended here; raises the error that
         ended it on the worker."""
@@ -221,7 +301,7 @@ class ClusterBackend(ServingBackend):
                 raise item.error
             clock.on_chunk((item.output,))
             progress.running -= item.output.finish_reason is not None
-            out = self._with_text(text, item.output, worker_id, rid, n)
+            out = self._with_text(text, continuation.seen(item.output), worker_id, rid, n)
             if out is not None:
                 progress.streamed = True
                 yield out

@@ -47,6 +47,15 @@ class Ingress:
         else:
             self.backend = ClusterBackend(router, workers, tokenizer, info.context_len, info.vocab_size)
 
+    async def drain(self, grace_s: float) -> int:
+        """Stop admitting (503 + Retry-After, /health 503) and wait until this replica's requests are over:
+        those still running after `grace_s` end with a `shutting_down` error event and [DONE]. Returns
+        how many requests were running when the drain began (cluster/shutdown.py calls it on SIGTERM)."""
+        running = self.lifetimes.active
+        self.lifetimes.drain(grace_s)
+        await asyncio.wait_for(self.lifetimes.idle(), grace_s + 10)
+        return running
+
     def __serve_build_asgi_app__(self) -> FastAPI:
         from fastapi import Depends
 
@@ -67,6 +76,7 @@ class Ingress:
             own_auth_prefixes=own_auth,
             request_timeout_s=self.request_timeout_s,
         )
+        self.lifetimes = app.state.serving.lifetimes
         app.state.serving.metrics.registry.register(WorkerGauges(self.backend, self.model_name))
         install_admin(app, self.backend.router, self.admin_api_key, self.model_name)  # /admin, /dashboard
         backend, replica_id = self.backend, self.replica_id

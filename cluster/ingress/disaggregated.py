@@ -13,8 +13,10 @@ One request (docs/disaggregation.md):
 Both calls carry the same seed (drawn here when the request has none), so the first token is sampled as in
 unified mode. A started prompt nobody claims (the request ended first, or a retry moved it) is dropped: by
 forget_prefill, else after kv_transfer_timeout_s. A failure before any token reached the client (either
-replica's death, a transfer failure or timeout) is retried on a new pair, up to MAX_ATTEMPTS; dead replicas
-are reported to the router first so that the new pair avoids them. Later failures reach the client.
+replica's death, a transfer failure or timeout) is retried on a new pair, up to MAX_ATTEMPTS in all; dead
+replicas are reported to the router first so that the new pair avoids them. A decode replica that dies
+mid-stream is replaced the same way: the new pair continues the request from the tokens generated so far
+(backend.Continuation), so the client sees one stream. Other failures after the first token reach the client.
 """
 
 import asyncio
@@ -24,7 +26,7 @@ import random
 import uuid
 from typing import Any, AsyncIterator, List
 
-from cluster.ingress.backend import ClusterBackend, RequestProgress
+from cluster.ingress.backend import ClusterBackend, Continuation, RequestProgress, may_continue
 from cluster.latency import RequestClock
 from cluster.rpc import is_dead, unwrap
 from cluster.workers.base import WrongReplicaError
@@ -38,6 +40,11 @@ MAX_ATTEMPTS = 3
 """Tries per request (first + retries) while nothing has been streamed."""
 
 
+def _retryable(cause: BaseException) -> bool:
+    """A failure that another pair may not meet: a replica died or left, or the prefill failed."""
+    return isinstance(cause, (PrefillFailedError, WrongReplicaError)) or is_dead(cause)
+
+
 class DisaggregatedBackend(ClusterBackend):
     """The ingress backend of mode=disaggregated: `workers` is the decode pool's handle; with `prefill`
     (the prefill pool's handle) each prompt starts on its prefill replica when the request arrives."""
@@ -49,39 +56,41 @@ class DisaggregatedBackend(ClusterBackend):
     async def generate_stream(self, input_ids: List[int], params: Any, rid: str) -> AsyncIterator[Any]:
         if self.prefill_pool is not None and params.seed is None:  # both replicas must sample alike
             params = dataclasses.replace(params, seed=random.getrandbits(62))
+        text = OutputText(self.tokenizer, input_ids, params)
+        continuation = Continuation(input_ids, params)
         for attempt in range(1, MAX_ATTEMPTS + 1):
-            text = OutputText(self.tokenizer, input_ids, params)
+            ids, attempt_params = continuation.attempt()
             pair = await self._ask_router(
-                lambda: self.router.route_pair.remote(input_ids, rid),
+                lambda: self.router.route_pair.remote(ids, rid),
                 lambda late: self._finish_pair(late, RequestClock()),
             )
             progress, clock = RequestProgress(params.n), RequestClock()
             decode_id = pair.decode.worker_id
-            early_key = self._start_prefill(input_ids, params, rid, pair.prefill.worker_id, attempt)
+            early_key = self._start_prefill(ids, attempt_params, rid, pair.prefill.worker_id, attempt)
             queue = self._open(decode_id, rid)
             self._on_failure(
                 self.workers.options(session_id=decode_id).submit_disaggregated.remote(
-                    input_ids, params, rid, pair.prefill.worker_id, early_key, self.ingress_id, decode_id
+                    ids, attempt_params, rid, pair.prefill.worker_id, early_key, self.ingress_id, decode_id
                 ),
                 rid,
                 queue,
             )
             try:
-                async for out in self._outputs(queue, text, decode_id, rid, params.n, clock, progress):
+                async for out in self._outputs(queue, text, decode_id, rid, params.n, clock, progress, continuation):
                     yield out
                 return
-            except Exception as exc:  # noqa: BLE001 - retried before the first token, else raised
+            except Exception as exc:  # noqa: BLE001 - a pair that failed: a new pair, continuing the stream
                 cause = unwrap(exc)
-                retry = (
-                    not progress.streamed
-                    and attempt < MAX_ATTEMPTS
-                    and (isinstance(cause, (PrefillFailedError, WrongReplicaError)) or is_dead(cause))
-                )
+                retry = may_continue(cause, progress, continuation, attempt, MAX_ATTEMPTS, _retryable)
                 await self._report_failure(pair, cause)
                 if not retry:
                     raise cause from None
                 logger.warning(
-                    "request %s: attempt %d failed before streaming (%r); retrying on a new pair", rid, attempt, cause
+                    "request %s: attempt %d failed after %d tokens (%r); going on with a new pair",
+                    rid,
+                    attempt,
+                    len(continuation.generated),
+                    cause,
                 )
             finally:
                 self._close(decode_id, rid, progress)

@@ -5,10 +5,12 @@ the pool left alone keeps its replica. Own CPU cluster (mode=disaggregated, KV o
 memory). Nothing here asserts on timings.
 """
 
+import asyncio
+
 import httpx
 import pytest
 
-from cluster_harness import start_serve, stop_serve
+from cluster_harness import start_serve, stop_serve, streams_across_a_kill
 from pools_harness import ADMIN, ADMIN_KEY, API_KEY, Load, running_ids, settle, wait_for
 
 ray = pytest.importorskip("ray")
@@ -18,6 +20,8 @@ from ray import serve  # noqa: E402
 pytestmark = pytest.mark.slow
 
 APP = "radixserve-disagg-admin-test"
+MODEL = "SmolLM2-135M-Instruct"
+USER = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -77,3 +81,20 @@ def test_scale_one_pool_while_the_other_stays(cluster, http, grow, still):
         _scale(http, grow, 1)  # back, still under load
         settle(http, 1, grow)
     assert load.failures() == [], load.failures()[:5]
+
+
+def test_decode_replica_killed_mid_stream_streams_go_on(cluster, http):
+    """Two decode replicas, 16 greedy streams on both; one decode replica is killed mid-stream: every
+    stream goes on through a new pair from its tokens so far and ends with [DONE] and the text of an
+    undisturbed run (the client sees one stream; the gap around the kill is printed)."""
+    _scale(http, "decode", 2)
+    decode = running_ids(settle(http, 2, "decode"))
+    victim = sorted(decode)[0]
+    actor = ray.get_actor(f"SERVE_REPLICA::{APP}#Decode#{victim}", namespace="serve")
+    greedy = dict(model=MODEL, max_tokens=24, temperature=0, ignore_eos=True)
+    bodies = [dict(greedy, prompt=f"Note {i}: the harbour master wrote that") for i in range(16)]
+    reference, results = asyncio.run(
+        streams_across_a_kill(cluster, bodies, lambda: ray.kill(actor, no_restart=True), headers=USER)
+    )
+    assert [text for text, _ in results] == reference
+    print("largest gap between events per stream (s):", sorted(round(gap, 2) for _, gap in results))

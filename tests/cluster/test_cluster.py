@@ -1,12 +1,16 @@
 """The unified cluster on a real local Ray cluster (CPU): Ingress + Router + 2 Workers.
 
-One application for the whole module; the membership test kills a worker, so it runs last. Serve's
+One application for the whole module; the membership test kills a worker and the drain test stops the
+ingress from admitting, so they run last. Serve's
 Python proxy is in front (the other cluster tests use HAProxy): it passes a client's disconnect on at
 once, where HAProxy passes it on at the ingress's next write, so the disconnect tests reach every
 stage of a request. Nothing here asserts on timings.
 """
 
 import asyncio
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -15,7 +19,14 @@ ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
 from cluster.config import ClusterArgs  # noqa: E402
-from cluster_harness import abort_storm, cluster_idle, start_serve, stop_serve, wait_for  # noqa: E402
+from cluster_harness import (  # noqa: E402
+    abort_storm,
+    cluster_idle,
+    start_serve,
+    stop_serve,
+    streams_across_a_kill,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -248,12 +259,24 @@ def test_abort_storm_leaves_nothing_behind(cluster, http):
         ) from None
 
 
+def _story(i: int) -> dict:
+    prompt = f"Story {i}: once upon a time, in a small village by the sea,"
+    return dict(model=MODEL, prompt=prompt, max_tokens=32, temperature=0, ignore_eos=True)
+
+
 def test_dead_worker_is_purged_and_replaced(http):
-    """Kill one worker's actor: the router purges it, requests keep succeeding on the survivor,
-    and Serve's replacement replica joins the router's membership."""
+    """Kill one worker's actor while 16 greedy streams run on both: every stream goes on on the survivor
+    (continued from its tokens so far) and ends with [DONE] and the text of an undisturbed run; the
+    router purges the dead worker, requests keep succeeding, and Serve's replacement joins."""
     before = set(_stats(http)["workers"])
     victim, survivor = sorted(before)
-    ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP}#Worker#{victim}", namespace="serve"), no_restart=True)
+    actor = ray.get_actor(f"SERVE_REPLICA::{APP}#Worker#{victim}", namespace="serve")
+    bodies = [_story(i) for i in range(16)]
+    reference, results = asyncio.run(
+        streams_across_a_kill(str(http.base_url), bodies, lambda: ray.kill(actor, no_restart=True))
+    )
+    assert [text for text, _ in results] == reference
+    print("largest gap between events per stream (s):", sorted(round(gap, 2) for _, gap in results))
 
     def gen(i: int):
         return http.post(
@@ -279,3 +302,35 @@ def test_dead_worker_is_purged_and_replaced(http):
     decided, served = _decisions(), _worker_logs()
     assert {served[f"after-kill-{10 + i}"] for i in range(4)} == {survivor, newcomer}
     assert all(served[f"after-kill-{10 + i}"] == decided[f"after-kill-{10 + i}"] for i in range(4))
+
+
+def _stream_last_chunk(base_url: str, i: int, started: threading.Barrier) -> dict:
+    """Stream request i (60 tokens); once its first event came, wait at `started`; its last chunk."""
+    body = dict(_story(i), max_tokens=60, stream=True)
+    with httpx.Client(base_url=base_url, timeout=180) as c, c.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        events = [next(line for line in lines if line)]
+        started.wait()
+        events += [line for line in lines if line]
+    assert events[-1] == "data: [DONE]", events[-3:]
+    return json.loads(events[-2][len("data: ") :])
+
+
+def test_drain_lets_running_streams_finish_and_refuses_new_requests(http):
+    """What deploy/serve.sh does on SIGTERM (cluster.shutdown.drain): 8 streams running finish with their
+    last token and [DONE]; a request arriving meanwhile gets 503 + Retry-After, /health 503."""
+    from cluster.shutdown import drain
+
+    started = threading.Barrier(9)
+    with ThreadPoolExecutor(9) as pool:
+        streams = [pool.submit(_stream_last_chunk, str(http.base_url), i, started) for i in range(8)]
+        started.wait(timeout=240)
+        drained = pool.submit(drain, APP, 60)
+        _wait(lambda: http.get("/health").status_code == 503, 30, "the ingress to report draining")
+        refused = http.post("/v1/completions", json=_story(99))
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1", refused.text
+        assert refused.json()["error"]["code"] == "shutting_down"
+        last = [s.result(timeout=240) for s in streams]
+        assert drained.result(timeout=120) == [8]
+    assert all(chunk["choices"][0]["finish_reason"] == "length" for chunk in last), last
