@@ -22,7 +22,13 @@ VENV="${RADIXSERVE_VENV:-.venv}"
 stop=""
 trap 'stop="$stop+"' TERM INT
 set -m  # `serve run` in a process group of its own: a terminal's Ctrl-C reaches only this script
-"$VENV/bin/serve" run cluster.app:deployment "$@" &
+# `serve run`, with SIGINT handled again: a shell that starts this script with `&` makes it ignore SIGINT,
+# and the stop below is serve run's Ctrl-C path.
+"$VENV/bin/python" -c 'import signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
+sys.argv[0] = "serve"
+from ray.serve.scripts import cli
+sys.exit(cli())' run cluster.app:deployment "$@" &
 pid=$!
 set +m
 status=0
