@@ -305,7 +305,10 @@ def main() -> None:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--disable-gemv", action="store_true", help="EngineConfig.disable_gemv: cuBLAS for one-row matmuls")
+    p.add_argument("--disable-gemv", action="store_true", help="EngineConfig.disable_gemv: cuBLAS for every matmul")
+    p.add_argument(
+        "--gemv-max-rows", type=int, default=16, help="EngineConfig.gemv_max_rows: 1 = GEMV kernel for batch 1 only"
+    )
     p.add_argument(
         "--disable-pdl", action="store_true", help="EngineConfig.disable_pdl: no programmatic dependent launch"
     )
@@ -339,7 +342,7 @@ def main() -> None:
     shutil.copy(args.config, os.path.join(folder, "config.json"))
     dtype_bytes = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     sizes = model_bytes(cfg, dtype_bytes)
-    options = dict(disable_gemv=args.disable_gemv, disable_pdl=args.disable_pdl)
+    options = dict(disable_gemv=args.disable_gemv, gemv_max_rows=args.gemv_max_rows, disable_pdl=args.disable_pdl)
     start = time.perf_counter()
     bench = DecodeBench(
         folder,
@@ -399,7 +402,8 @@ def main() -> None:
     print(
         f"\ndecode, {os.path.basename(args.config)} dummy {args.dtype}, context {args.context_len}; "
         f"{hw.get('gpu')}; attention {backend_name}, CUDA graphs {'on' if graphs_on else 'off'}, GEMV "
-        f"{'off' if args.disable_gemv else 'on'}, PDL {'off' if args.disable_pdl else 'on'}; copy bandwidth "
+        f"{'off' if args.disable_gemv else f'up to {args.gemv_max_rows} rows'}, "
+        f"PDL {'off' if args.disable_pdl else 'on'}; copy bandwidth "
         f"{bandwidth / 1e9:.0f} GB/s"
     )
     cols = [
@@ -434,6 +438,7 @@ def main() -> None:
                 attention_backend=backend_name,
                 cuda_graphs=graphs_on,
                 gemv=not args.disable_gemv,
+                gemv_max_rows=0 if args.disable_gemv else args.gemv_max_rows,
                 pdl=not args.disable_pdl,
                 startup_s=startup,
                 results=rows,

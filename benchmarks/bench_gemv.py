@@ -1,19 +1,19 @@
-"""One-row matmuls of a batch-1 decode step: radixserve's GEMV kernel against cuBLAS, in the same run.
+"""Few-row matmuls of a small-batch decode step: radixserve's GEMV kernels against cuBLAS, in the same run.
 
 For every weight shape of one decoder layer and the lm_head of a config (--config), times y = x @ W^T with
-x of one row, three ways:
+x of M rows (--rows, default 1: a batch-1 step; up to kernels.triton.gemv.MAX_ROWS), three ways:
 
   cublas     F.linear (cuBLAS picks its kernel, split-K included)
-  gemv       kernels/triton/gemv.py, plain launches
+  gemv       kernels/triton/gemv.py (one row: _gemv_kernel, more: _rows_kernel), plain launches
   gemv+pdl   the same with programmatic dependent launch (Hopper and later)
 
 Each variant runs as a CUDA graph of --calls back-to-back products over rotating copies of the weight
 (together >= 256 MiB, so no product finds its weight in the 50 MiB L2 as a real step would not), timed with
 CUDA events, best of --repeats. Reported: microseconds per product and the weight bytes over that time as a
 fraction of the device-to-device copy bandwidth (bytes read + written) measured first in this process, the
-denominator of bench_decode's roofline. --sweep also times every tile of a grid for each shape.
+denominator of bench_decode's roofline. --sweep also times every tile of a grid for each shape and M.
 
-  python benchmarks/bench_gemv.py --config benchmarks/configs/llama-3.1-8b.json [--sweep]
+  python benchmarks/bench_gemv.py --config benchmarks/configs/llama-3.1-8b.json [--rows 1 2 4 8 16] [--sweep]
 """
 
 from __future__ import annotations
@@ -76,12 +76,14 @@ def main() -> None:
     )
     p.add_argument("--calls", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--sweep", action="store_true", help="also time a grid of tile shapes per weight")
+    p.add_argument("--rows", type=int, nargs="+", default=[1], help="rows of x (batch sizes), 1 to MAX_ROWS")
+    p.add_argument("--sweep", action="store_true", help="also time a grid of tile shapes per weight and M")
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/gemv_<model>_<gpu>.json)")
     args = p.parse_args()
 
     import torch
     import torch.nn.functional as F
+    import triton
 
     if not torch.cuda.is_available():
         sys.exit("bench_gemv needs a CUDA device")
@@ -89,7 +91,10 @@ def main() -> None:
     from bench_offline import hardware, result_path
 
     from kernels.triton import pdl
-    from kernels.triton.gemv import GemvConfig, gemv, pick_config
+    from kernels.triton.gemv import MAX_ROWS, GemvConfig, RowsConfig, gemv, pick_config, pick_rows_config
+
+    if not all(1 <= m <= MAX_ROWS for m in args.rows):
+        sys.exit(f"--rows: 1 to {MAX_ROWS}")
 
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
@@ -101,7 +106,6 @@ def main() -> None:
         nbytes = n * k * 2
         copies = max(2, -(-(256 << 20) // nbytes))
         ws = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)]
-        x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
 
         def run(fn, pdl_on=True):
             pdl.set_enabled(pdl_on)
@@ -110,53 +114,67 @@ def main() -> None:
             finally:
                 pdl.set_enabled(True)
 
-        row = dict(name=name, n=n, k=k, weight_mib=nbytes / 2**20, config=pick_config(n, k, torch.bfloat16)._asdict())
-        for label, fn, pdl_on in (
-            ("cublas", lambda w: F.linear(x, w), True),
-            ("gemv", lambda w: gemv(x, w), False),
-            ("gemv+pdl", lambda w: gemv(x, w), True),
-        ):
-            sec = run(fn, pdl_on)
-            row[f"{label}_us"] = sec * 1e6
-            row[f"{label}_of_copy_bw"] = nbytes / sec / bandwidth
-        y = gemv(x, ws[0])
-        row["max_abs_diff_vs_cublas"] = float((y.float() - F.linear(x, ws[0]).float()).abs().max())
-        rows.append(row)
-        if args.sweep:
-            grid = []
-            for bn, bk, warps in itertools.product((4, 8, 16, 32), (256, 512, 1024), (2, 4, 8)):
-                if bn * bk > 16384:
-                    continue
-                c = GemvConfig(bn, bk, warps)
-                sec = run(lambda w, c=c: gemv(x, w, config=c), True)
-                grid.append(
-                    dict(block_n=bn, block_k=bk, num_warps=warps, us=sec * 1e6, of_copy_bw=nbytes / sec / bandwidth)
+        for m in args.rows:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            config = pick_config(n, k, torch.bfloat16) if m == 1 else pick_rows_config(n, k, torch.bfloat16)
+            row = dict(name=name, m=m, n=n, k=k, weight_mib=nbytes / 2**20, config=config._asdict())
+            for label, fn, pdl_on in (
+                ("cublas", lambda w, x=x: F.linear(x, w), True),
+                ("gemv", lambda w, x=x: gemv(x, w), False),
+                ("gemv+pdl", lambda w, x=x: gemv(x, w), True),
+            ):
+                sec = run(fn, pdl_on)
+                row[f"{label}_us"] = sec * 1e6
+                row[f"{label}_of_copy_bw"] = nbytes / sec / bandwidth
+            y = gemv(x, ws[0])
+            row["max_abs_diff_vs_cublas"] = float((y.float() - F.linear(x, ws[0]).float()).abs().max())
+            rows.append(row)
+            if args.sweep:
+                grid = []
+                if m == 1:
+                    tiles = [
+                        GemvConfig(bn, bk, warps)
+                        for bn, bk, warps in itertools.product((4, 8, 16, 32), (256, 512, 1024), (2, 4, 8))
+                        if bn * bk <= 16384
+                    ]
+                else:
+                    tiles = [
+                        RowsConfig(bn, bk, warps, stages, split)
+                        for bn, bk, warps, stages, split in itertools.product(
+                            (16, 32, 64), (128, 256, 512), (4,), (1, 3, 4), (1, 2, 4, 8)
+                        )
+                        if k % (split * bk) == 0 and triton.cdiv(n, bn) * split <= 4096
+                    ]
+                for c in tiles:
+                    for pdl_on in (True, False):
+                        sec = run(lambda w, c=c, x=x: gemv(x, w, config=c), pdl_on)
+                        grid.append(dict(c._asdict(), pdl=pdl_on, us=sec * 1e6, of_copy_bw=nbytes / sec / bandwidth))
+                grid.sort(key=lambda r: r["us"])
+                sweeps[f"{name}_m{m}"] = grid
+                print(
+                    f"{name} ({n}x{k}) M={m} best tiles: "
+                    + "; ".join(
+                        " ".join(f"{v}" for key, v in g.items() if key not in ("us", "of_copy_bw"))
+                        + f" {g['us']:.1f}us {g['of_copy_bw']:.0%}"
+                        for g in grid[:5]
+                    )
                 )
-            grid.sort(key=lambda r: r["us"])
-            sweeps[name] = grid
-            print(
-                f"{name} ({n}x{k}) best tiles: "
-                + "; ".join(
-                    f"{g['block_n']}x{g['block_k']} w{g['num_warps']} {g['us']:.1f}us {g['of_copy_bw']:.0%}"
-                    for g in grid[:5]
-                )
-            )
         ws.clear()  # free this shape's copies before the next shape
         torch.cuda.empty_cache()
 
     hw = hardware()
     print(
-        f"\none-row matmuls, bf16, {os.path.basename(args.config)}; {hw.get('gpu')}; copy bandwidth "
+        f"\nfew-row matmuls, bf16, {os.path.basename(args.config)}; {hw.get('gpu')}; copy bandwidth "
         f"{bandwidth / 1e9:.0f} GB/s; {args.calls} products per CUDA graph, best of {args.repeats}"
     )
     print(
-        f"{'weight':>10}{'N x K':>16}{'MiB':>8}{'cublas us':>11}{'gemv us':>10}{'+pdl us':>10}"
+        f"{'weight':>10}{'M':>4}{'N x K':>16}{'MiB':>8}{'cublas us':>11}{'gemv us':>10}{'+pdl us':>10}"
         f"{'cublas':>9}{'gemv':>8}{'+pdl':>8}"
     )
     for r in rows:
         print(
-            f"{r['name']:>10}{str(r['n']) + ' x ' + str(r['k']):>16}{r['weight_mib']:>8.1f}{r['cublas_us']:>11.1f}"
-            f"{r['gemv_us']:>10.1f}{r['gemv+pdl_us']:>10.1f}{r['cublas_of_copy_bw']:>9.0%}"
+            f"{r['name']:>10}{r['m']:>4}{str(r['n']) + ' x ' + str(r['k']):>16}{r['weight_mib']:>8.1f}"
+            f"{r['cublas_us']:>11.1f}{r['gemv_us']:>10.1f}{r['gemv+pdl_us']:>10.1f}{r['cublas_of_copy_bw']:>9.0%}"
             f"{r['gemv_of_copy_bw']:>8.0%}{r['gemv+pdl_of_copy_bw']:>8.0%}"
         )
     model = os.path.splitext(os.path.basename(args.config))[0]

@@ -89,10 +89,14 @@ class EngineConfig:
     )
     disable_gemv: bool = field(
         default=False,
+        metadata={"help": ("Every matmul with cuBLAS: none through our GEMV kernels (CUDA only; see gemv_max_rows).")},
+    )
+    gemv_max_rows: int = field(
+        default=16,
         metadata={
             "help": (
-                "One-row matmuls (batch-1 decode, last-token logits) with cuBLAS instead of our GEMV kernel"
-                " (CUDA only)."
+                "bf16/fp16 matmuls of up to this many rows (decode steps of batches this small, and their"
+                " logits) run our GEMV kernels on CUDA, larger ones cuBLAS; 1 = batch-1 steps only, at most 16."
             )
         },
     )
@@ -190,6 +194,7 @@ class EngineConfig:
             self.attention_backend in ATTENTION_BACKENDS,
             f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
         )
+        check(0 <= self.gemv_max_rows <= 16, f"gemv_max_rows must be in [0, 16], got {self.gemv_max_rows}")
         check(
             self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,
             f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}",

@@ -9,8 +9,9 @@ On CUDA the layers run fused Triton kernels (kernels/triton/fused_layers.py: one
 launch for residual-add + RMSNorm, SiLU-and-mul, and RoPE of q and k together),
 which round at the same places as the torch code; elsewhere plain torch. The
 kernel module is imported on first CUDA use, so CPU installs never import triton.
-`Linear` runs a one-row product (a batch-1 decode step, or the last row's logits)
-with kernels/triton/gemv.py on CUDA, every other product with F.linear.
+`Linear` runs a product of up to GEMV_MAX_ROWS rows (the decode step of a small
+batch, or those rows' logits) with kernels/triton/gemv.py on CUDA, every other
+product with F.linear.
 """
 
 from __future__ import annotations
@@ -38,48 +39,54 @@ def _fused(x: torch.Tensor):
     return fused_layers
 
 
+GEMV_MAX_ROWS = 16  # kernels.triton.gemv.MAX_ROWS (not imported here: that module imports triton)
+
+
 def gemv_applies(module: nn.Module, x: torch.Tensor) -> bool:
-    """Whether the product of `x` ((rows, K)) with `module`'s weight goes to the one-row GEMV kernel: CUDA,
-    one row, 16-bit activations, and the module's `use_gemv` switch on (set_gemv; EngineConfig.disable_gemv).
+    """Whether the product of `x` ((rows, K)) with `module`'s weight goes to the GEMV kernels: CUDA, 1 to
+    `module.gemv_rows` rows (a decode step of a small batch; set_gemv, EngineConfig.gemv_max_rows), 16-bit
+    activations.
 
     float32 stays on F.linear: it is the reference dtype, whose Triton decode is batch-composition invariant
-    (a request's tokens do not depend on which others share its batch); a kernel for one row only would
+    (a request's tokens do not depend on which others share its batch); kernels for few rows only would
     make a request's last steps, decoded alone, round differently from its earlier ones.
     """
     return (
         x.is_cuda
         and x.dim() == 2
-        and x.shape[0] == 1
+        and 1 <= x.shape[0] <= getattr(module, "gemv_rows", GEMV_MAX_ROWS)
         and x.dtype in (torch.bfloat16, torch.float16)
-        and getattr(module, "use_gemv", True)
     )
 
 
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None
 ) -> torch.Tensor:
-    """x (1, K) @ weight (N, K)^T (+ bias) -> (1, N) with kernels/triton/gemv.py (CUDA only)."""
+    """x (M, K) @ weight (N, K)^T (+ bias) -> (M, N), M <= GEMV_MAX_ROWS, with kernels/triton/gemv.py (CUDA)."""
     from kernels.triton.gemv import gemv as gemv_kernel  # noqa: PLC0415  (imports triton: GPU path only)
 
     return gemv_kernel(x, weight, bias, out_dtype=out_dtype)
 
 
-def set_gemv(model: nn.Module, on: bool) -> None:
-    """Turn the one-row GEMV path of every Linear in `model` (and of its logits) on or off."""
+def set_gemv(model: nn.Module, max_rows: int) -> None:
+    """Products of up to `max_rows` rows (0: none) of every Linear in `model`, and of its logits, go to the
+    GEMV kernels."""
+    if not 0 <= max_rows <= GEMV_MAX_ROWS:
+        raise ValueError(f"max_rows must be in [0, {GEMV_MAX_ROWS}], got {max_rows}")
     for module in model.modules():
-        if hasattr(module, "use_gemv"):  # every Linear, and the model (its logits)
-            module.use_gemv = on
+        if hasattr(module, "gemv_rows"):  # every Linear, and the model (its logits)
+            module.gemv_rows = max_rows
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters, same names) whose one-row products on CUDA run the GEMV kernel.
+    """nn.Linear (same parameters, same names) whose few-row products on CUDA run the GEMV kernels.
 
-    A batch-1 decode step multiplies one row by every weight: kernels/triton/gemv.py streams the weight at
+    A small-batch decode step multiplies a few rows by every weight: kernels/triton/gemv.py streams it at
     close to the memory bandwidth without a split-K reduction kernel and, on Hopper, starts reading it
     before the previous kernel has finished. Rounds like F.linear (float32 sums, one rounding).
     """
 
-    use_gemv = True
+    gemv_rows = GEMV_MAX_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if gemv_applies(self, x):

@@ -24,7 +24,7 @@ from transformers import PretrainedConfig
 
 from engine.errors import UnsupportedModelError
 from engine.forward_batch import ForwardBatch
-from engine.models.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul, gemv, gemv_applies
+from engine.models.layers import GEMV_MAX_ROWS, Linear, RMSNorm, RotaryEmbedding, SiluAndMul, gemv, gemv_applies
 
 # HF projection name -> (fused parameter name, shard id)
 _STACKED: Dict[str, Tuple[str, str]] = {
@@ -159,7 +159,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.use_gemv = True  # one-row logits through the GEMV kernel on CUDA (layers.set_gemv)
+        self.gemv_rows = GEMV_MAX_ROWS  # few-row logits through the GEMV kernels on CUDA (layers.set_gemv)
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 

@@ -87,7 +87,7 @@ class ModelRunner:
                 f"fit on {self.device} ({free_before / 2**30:.1f} GiB free): use a GPU with more memory, a "
                 f"smaller dtype or a smaller model"
             ) from exc
-        set_gemv(self.model, not self.config.disable_gemv)
+        set_gemv(self.model, 0 if self.config.disable_gemv else self.config.gemv_max_rows)
         if self.device.type == "cuda":
             from kernels.triton import pdl  # noqa: PLC0415  (GPU path only)
 

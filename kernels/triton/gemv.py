@@ -18,11 +18,21 @@ Numerics: products and sums in float32, one rounding to x's dtype at the end (as
 (BLOCK_N, BLOCK_K) float32 accumulator summed over the K tiles and reduces it once at the end, so the
 summation order is fixed by (BLOCK_N, BLOCK_K), which `pick_config` derives from (N, K) alone: the same
 product is summed the same way in every process and run (no autotuning), graphs on or off.
+
+A few rows (2 <= M <= MAX_ROWS, the decode step of a small batch) go to `_rows_kernel`: the same walk over
+weight rows (first tile before the PDL wait), with the (M, BLOCK_K) x tile multiplied by the (BLOCK_N,
+BLOCK_K) weight tile on tensor cores (`tl.dot`, float32 accumulation; rows padded to 16, the smallest dot),
+so each weight byte is read once per step whatever M is. Where the weight has too few rows to keep the GPU
+streaming (4096), K is split over SPLIT_K programs; their float32 partials are summed in split order inside
+the same kernel by whichever program finishes last (no second kernel, no atomics on the data, so the sums
+are deterministic). Each row of x is computed independently of the other rows: a request rounds the same
+in any batch of 2..MAX_ROWS, padded or not. Against cuBLAS at these shapes: `benchmarks/bench_gemv.py --rows`.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -36,6 +46,19 @@ class GemvConfig(NamedTuple):
     block_n: int
     block_k: int
     num_warps: int
+
+
+class RowsConfig(NamedTuple):
+    """Tile of `_rows_kernel`: BLOCK_N weight rows per program (>= 16, a dot operand), BLOCK_K per K tile."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int = 1
+    split_k: int = 1  # programs per BLOCK_N rows, each over K / split_k (K must be a multiple of split_k * block_k)
+
+
+MAX_ROWS = 16  # x of up to this many rows takes the rows kernel; larger products are GEMMs (cuBLAS)
 
 
 @triton.jit
@@ -89,6 +112,96 @@ def _gemv_kernel(
     tl.store(Y + rows, y.to(X.dtype.element_ty).to(Y.dtype.element_ty), mask=row_ok)
 
 
+@triton.jit
+def _dot_acc(x, w, acc, F32_DOT: tl.constexpr):
+    """acc + x @ w^T in float32. F32_DOT: operands widened to float32 and multiplied exactly (float32 inputs,
+    no TF32; and under Triton's interpreter, which has no 16-bit dot). 16-bit products are exact in float32,
+    so both ways give the same sums up to their order within the dot."""
+    if F32_DOT:
+        return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(x, tl.trans(w), acc)
+
+
+@triton.jit
+def _rows_kernel(
+    X,
+    W,
+    B,
+    Y,
+    WS,
+    LOCKS,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    F32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_n = pid // SPLIT_K
+    split = pid % SPLIT_K
+    k_len = K // SPLIT_K  # SPLIT_K > 1 only where K is a multiple of SPLIT_K * BLOCK_K (the host checks)
+    k0 = split * k_len
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    safe_rows = tl.where(row_ok, rows, N - 1).to(tl.int64)
+    ms = tl.arange(0, BLOCK_M)
+    m_ok = ms < M
+    cols = tl.arange(0, BLOCK_K)
+    w_ptrs = W + safe_rows[:, None] * stride_wn + (k0 + cols)[None, :]
+    x_ptrs = X + ms[:, None] * stride_xm + (k0 + cols)[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if EVEN_K:
+        w = tl.load(w_ptrs, eviction_policy="evict_first")
+    else:
+        w = tl.load(w_ptrs, mask=cols[None, :] < k_len, other=0.0, eviction_policy="evict_first")
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # everything below may read (or write) what the previous kernel wrote (or read)
+        tl.extra.cuda.gdc_launch_dependents()
+    for k in range(BLOCK_K, k_len, BLOCK_K):
+        if EVEN_K:
+            w_next = tl.load(w_ptrs + k, eviction_policy="evict_first")
+        else:
+            w_next = tl.load(w_ptrs + k, mask=(k + cols[None, :]) < k_len, other=0.0, eviction_policy="evict_first")
+        x = tl.load(x_ptrs + (k - BLOCK_K), mask=m_ok[:, None], other=0.0)
+        acc = _dot_acc(x, w, acc, F32_DOT)
+        w = w_next
+    last = ((k_len - 1) // BLOCK_K) * BLOCK_K
+    x = tl.load(x_ptrs + last, mask=m_ok[:, None] & ((last + cols[None, :]) < k_len), other=0.0)
+    acc = _dot_acc(x, w, acc, F32_DOT)
+    store_ok = m_ok[:, None] & row_ok[None, :]
+    y_ptrs = Y + ms[:, None] * stride_ym + rows[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptrs, acc.to(X.dtype.element_ty).to(Y.dtype.element_ty), mask=store_ok)
+    else:
+        # Each split stores its float32 partial; the last of the SPLIT_K programs of these rows to arrive (the
+        # lock counts arrivals) sums all partials in split order, so the result does not depend on which
+        # program came last, writes y and resets the lock for the next launch.
+        tile = (BLOCK_M * BLOCK_N) * (pid_n * SPLIT_K)
+        offs = ms[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tl.store(WS + tile + split * (BLOCK_M * BLOCK_N) + offs, acc)
+        tl.debug_barrier()  # every thread's partial is stored before the arrival is counted
+        arrived = tl.atomic_add(LOCKS + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(WS + tile + s * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptrs, total.to(X.dtype.element_ty).to(Y.dtype.element_ty), mask=store_ok)
+            tl.atomic_xchg(LOCKS + pid_n, 0)
+
+
 @functools.lru_cache(maxsize=None)
 def pick_config(n: int, k: int, dtype: torch.dtype) -> GemvConfig:
     """Tile shape for an (n, k) weight: a fixed function of the shape, so results never depend on timing.
@@ -113,26 +226,57 @@ def pick_config(n: int, k: int, dtype: torch.dtype) -> GemvConfig:
     return GemvConfig(block_n, block_k, warps)
 
 
+@functools.lru_cache(maxsize=None)
+def pick_rows_config(n: int, k: int, dtype: torch.dtype) -> RowsConfig:
+    """Tile of the rows kernel for an (n, k) weight: a fixed function of the shape (no autotuning).
+
+    From `benchmarks/bench_gemv.py --rows 8 --sweep` on an H100 (Llama-3.1-8B's shapes, bf16, PDL on; each
+    within ~1% of its shape's best tile), so that enough programs stream at once:
+      many rows (n >= 16384: gate_up, lm_head): 64 rows per program, 256-element K tiles, 3 stages;
+      n > 4096 (qkv): 16 rows, 256-element tiles, 3 stages;
+      otherwise (o, down: 4096 rows, only 256 programs of 16 rows): 32 rows and K split in 4 (512
+        programs), 128-element tiles, 3 stages.
+    Smaller shapes (tests, small models) get tiles that fit them. Cached: it runs on every eager call.
+    """
+    if n >= 16384:
+        block_n, block_k, split = 64, 256, 1
+    elif n > 4096:
+        block_n, block_k, split = 16, 256, 1
+    else:
+        block_n, block_k, split = 32, 128, 4
+    block_k = max(16, min(block_k * 2 // dtype.itemsize, triton.next_power_of_2(k)))
+    block_n = min(block_n, max(16, triton.next_power_of_2(n)))
+    if k % (split * block_k):
+        split = 1
+    return RowsConfig(block_n, block_k, 4, 3, split)
+
+
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: Optional[torch.Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
-    config: Optional[GemvConfig] = None,
+    config: Optional[GemvConfig | RowsConfig] = None,
 ) -> torch.Tensor:
-    """x (1, K) or (K,), weight (N, K) with contiguous rows, bias (N,) -> (1, N) (or (N,)).
+    """x (M, K) with M <= MAX_ROWS, or (K,); weight (N, K) with contiguous rows; bias (N,) -> (M, N) (or (N,)).
 
     The result is rounded to x's dtype, then stored as `out_dtype` (default x's dtype): F.linear(x, w).float()
-    in one kernel for float32 logits.
+    in one kernel for float32 logits. One row takes `_gemv_kernel` (tile `config`: a GemvConfig), 2..MAX_ROWS
+    rows `_rows_kernel` (a RowsConfig).
     """
     squeeze = x.dim() == 1
-    x2 = x.reshape(1, -1)
+    x2 = x.reshape(1, -1) if squeeze else x
     n, k = weight.shape
-    if x2.shape[1] != k:
-        raise ValueError(f"gemv: x has {x2.shape[1]} columns, weight has {k}")
+    if x2.dim() != 2 or x2.shape[1] != k:
+        raise ValueError(f"gemv: x has {x2.shape[-1]} columns, weight has {k}")
+    m = x2.shape[0]
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"gemv: x has {m} rows; 1 to {MAX_ROWS} are supported")
     if weight.stride(1) != 1:
         raise ValueError("gemv: weight rows must be contiguous")
     x2 = x2 if x2.is_contiguous() else x2.contiguous()
+    if m > 1:
+        return _gemv_rows(x2, weight, bias, out_dtype or x.dtype, config or pick_rows_config(n, k, weight.dtype))
     cfg = config or pick_config(n, k, weight.dtype)
     y = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
@@ -153,9 +297,66 @@ def gemv(
     return y.view(n) if squeeze else y
 
 
+_LOCKS: dict = {}
+
+
+def _split_locks(device: torch.device, n_blocks: int) -> torch.Tensor:
+    """Arrival counters of split-K launches on `device`, all zero between launches (the last program of each
+    row block resets its own). One buffer per device: launches that use it must not run concurrently, as
+    the kernels of one stream do not (the engine's forward passes share one stream per device)."""
+    key = (device.type, device.index)
+    locks = _LOCKS.get(key)
+    if locks is None or locks.numel() < n_blocks:
+        locks = torch.zeros(max(n_blocks, 1 << 14), dtype=torch.int32, device=device)
+        _LOCKS[key] = locks
+    return locks
+
+
+def _gemv_rows(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: torch.dtype, cfg: RowsConfig
+) -> torch.Tensor:
+    """x (M, K) contiguous, 2 <= M <= MAX_ROWS -> (M, N) through `_rows_kernel`."""
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    block_m = max(16, triton.next_power_of_2(m))
+    n_blocks = triton.cdiv(n, cfg.block_n)
+    split = cfg.split_k if k % (cfg.split_k * cfg.block_k) == 0 else 1
+    if split > 1:
+        workspace = torch.empty(n_blocks * split * block_m * cfg.block_n, dtype=torch.float32, device=x.device)
+        locks = _split_locks(x.device, n_blocks)
+    else:
+        workspace = locks = y  # not read
+    _rows_kernel[(n_blocks * split,)](
+        x,
+        weight,
+        bias if bias is not None else weight,
+        y,
+        workspace,
+        locks,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        y.stride(0),
+        HAS_BIAS=bias is not None,
+        EVEN_K=(k // split) % cfg.block_k == 0,
+        F32_DOT=x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
+        BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        SPLIT_K=split,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **pdl.launch_args(x.device),
+    )
+    return y
+
+
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """float32 matmul, (1, N), rounded once to x's dtype."""
-    y = x.float().reshape(1, -1) @ weight.float().t()
+    """float32 matmul, (M, N) (x (K,) is one row), rounded once to x's dtype."""
+    y = (x.float().reshape(1, -1) if x.dim() == 1 else x.float()) @ weight.float().t()
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)

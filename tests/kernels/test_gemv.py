@@ -1,5 +1,6 @@
-"""The one-row GEMV kernel (kernels/triton/gemv.py), the chunked greedy argmax (kernels/triton/sampling.py),
-and the model's use of both (engine/models/layers.py Linear, LlamaForCausalLM.compute_logits).
+"""The GEMV kernels (kernels/triton/gemv.py: one row, and 2..MAX_ROWS rows), the chunked greedy argmax
+(kernels/triton/sampling.py), and the model's use of both (engine/models/layers.py Linear,
+LlamaForCausalLM.compute_logits).
 
 On CPU the kernels run under the Triton interpreter (small shapes); on a GPU they run compiled, with
 programmatic dependent launch on Hopper, and the @pytest.mark.gpu tests add the Llama-3.1-8B shapes.
@@ -20,7 +21,15 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from kernels.triton import fix_interpreter_scalar_index  # noqa: E402
-from kernels.triton.gemv import GemvConfig, gemv, gemv_reference, pick_config  # noqa: E402
+from kernels.triton.gemv import (  # noqa: E402
+    MAX_ROWS,
+    GemvConfig,
+    RowsConfig,
+    gemv,
+    gemv_reference,
+    pick_config,
+    pick_rows_config,
+)
 from kernels.triton.sampling import argmax  # noqa: E402
 
 fix_interpreter_scalar_index()
@@ -55,6 +64,81 @@ def test_gemv_matches_reference(dtype, n, k, bias):
     y = gemv(x, w, b)
     assert y.shape == (1, n) and y.dtype == dtype
     torch.testing.assert_close(y, gemv_reference(x, w, b), **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,n,k,bias", [(2, 40, 64, False), (3, 37, 96, True), (16, 16, 1024, False), (5, 5, 40, True)])
+def test_gemv_rows_match_reference(dtype, m, n, k, bias):
+    """2..MAX_ROWS rows (the rows kernel): partial programs (37, 5 rows of W), K not a multiple of the tile."""
+    x = randn(m, k, dtype=dtype)
+    w = randn(n, k, dtype=dtype, seed=1, scale=k**-0.5)
+    b = randn(n, dtype=dtype, seed=2) if bias else None
+    y = gemv(x, w, b)
+    assert y.shape == (m, n) and y.dtype == dtype
+    torch.testing.assert_close(y, gemv_reference(x, w, b), **tol(dtype))
+
+
+@pytest.mark.parametrize(
+    "cfg", [RowsConfig(16, 16, 1), RowsConfig(32, 64, 2), RowsConfig(16, 128, 4, 3), RowsConfig(16, 32, 4, 1, 4)]
+)
+def test_gemv_rows_tile_shapes(cfg):
+    """K = 200: several tiles, a partial last one, and no even split (split-K falls back to one program)."""
+    x = randn(4, 200, dtype=torch.float32)
+    w = randn(50, 200, dtype=torch.float32, seed=1, scale=0.1)
+    torch.testing.assert_close(gemv(x, w, config=cfg), gemv_reference(x, w), **ULP[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split", [2, 4, 8])
+def test_gemv_rows_split_k_is_deterministic_and_leaves_locks_free(dtype, split):
+    """Split K: partials summed in split order by whichever program arrives last, so the same bits every
+    launch; every arrival counter is back at zero afterwards (the next launch starts clean)."""
+    from kernels.triton import gemv as gemv_module
+
+    x = randn(5, 1024, dtype=dtype)
+    w = randn(70, 1024, dtype=dtype, seed=1, scale=1024**-0.5)
+    b = randn(70, dtype=dtype, seed=2)
+    cfg = RowsConfig(16, 64, 4, 1, split)
+    y = gemv(x, w, b, config=cfg)
+    torch.testing.assert_close(y, gemv_reference(x, w, b), **tol(dtype))
+    for _ in range(3):
+        assert torch.equal(gemv(x, w, b, config=cfg), y)
+    assert all(int(locks.abs().sum()) == 0 for locks in gemv_module._LOCKS.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_rows_do_not_depend_on_the_other_rows(dtype):
+    """A row's result is the same bits whatever the batch around it (2..MAX_ROWS rows, any other values):
+    a decode step padded to a CUDA graph's batch size rounds each request as the eager step does."""
+    x = randn(MAX_ROWS, 256, dtype=dtype)
+    w = randn(72, 256, dtype=dtype, seed=1, scale=0.1)
+    full = gemv(x, w)
+    for m in (2, 5, MAX_ROWS - 1):
+        assert torch.equal(gemv(x[:m], w), full[:m]), m
+    other = x.clone()
+    other[1:] = randn(MAX_ROWS - 1, 256, dtype=dtype, seed=7)
+    assert torch.equal(gemv(other, w)[0], full[0])
+
+
+def test_gemv_rows_float32_logits_and_bad_row_counts():
+    x = randn(3, 64, dtype=torch.bfloat16)
+    w = randn(33, 64, dtype=torch.bfloat16, seed=1, scale=0.2)
+    y = gemv(x, w, out_dtype=torch.float32)
+    assert y.dtype == torch.float32 and torch.equal(y, y.to(torch.bfloat16).float())
+    with pytest.raises(ValueError, match="rows"):
+        gemv(randn(MAX_ROWS + 1, 64, dtype=torch.bfloat16), w)
+    assert pick_rows_config(28672, 4096, torch.bfloat16).block_n >= 16  # a dot operand
+
+
+def test_pick_rows_config_tiles():
+    """The tiles bench_gemv --rows 8 --sweep chose for Llama-3.1-8B on an H100, and small shapes fitted."""
+    bf16 = torch.bfloat16
+    assert pick_rows_config(6144, 4096, bf16) == RowsConfig(16, 256, 4, 3, 1)  # qkv
+    assert pick_rows_config(4096, 4096, bf16) == RowsConfig(32, 128, 4, 3, 4)  # o
+    assert pick_rows_config(28672, 4096, bf16) == RowsConfig(64, 256, 4, 3, 1)  # gate_up
+    assert pick_rows_config(4096, 14336, bf16) == RowsConfig(32, 128, 4, 3, 4)  # down
+    assert pick_rows_config(128256, 4096, bf16) == RowsConfig(64, 256, 4, 3, 1)  # lm_head
+    assert pick_rows_config(5, 40, torch.float32) == RowsConfig(16, 64, 4, 3, 1)  # no even split of K = 40
 
 
 @pytest.mark.parametrize("cfg", [GemvConfig(4, 16, 1), GemvConfig(8, 32, 2), GemvConfig(16, 64, 4)])
@@ -122,8 +206,10 @@ def test_argmax_ties_take_the_lowest_index_across_chunks():
     assert logits.argmax(dim=-1).tolist() == [2048, 10, 0]
 
 
-def test_linear_uses_gemv_only_for_one_row_on_cuda():
-    from engine.models.layers import Linear, gemv_applies, set_gemv
+def test_linear_uses_gemv_only_for_few_rows_on_cuda():
+    from engine.models.layers import GEMV_MAX_ROWS, Linear, gemv_applies, set_gemv
+
+    assert GEMV_MAX_ROWS == MAX_ROWS
 
     layer = Linear(64, 32, bias=True)
     x = torch.randn(1, 64)
@@ -131,14 +217,15 @@ def test_linear_uses_gemv_only_for_one_row_on_cuda():
     torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
     if GPU:
         layer = layer.to(device=DEVICE, dtype=torch.bfloat16)
-        one, two = (
-            torch.randn(1, 64, device=DEVICE, dtype=torch.bfloat16),
-            torch.randn(2, 64, device=DEVICE, dtype=torch.bfloat16),
-        )
-        assert gemv_applies(layer, one) and not gemv_applies(layer, two)
+        one, few, many = (torch.randn(m, 64, device=DEVICE, dtype=torch.bfloat16) for m in (1, MAX_ROWS, MAX_ROWS + 1))
+        assert gemv_applies(layer, one) and gemv_applies(layer, few) and not gemv_applies(layer, many)
         assert not gemv_applies(layer, one.float())  # float32 stays on F.linear (batch invariance)
-        set_gemv(layer, False)
+        set_gemv(layer, 1)  # EngineConfig.gemv_max_rows=1: batch-1 steps only
+        assert gemv_applies(layer, one) and not gemv_applies(layer, few)
+        set_gemv(layer, 0)
         assert not gemv_applies(layer, one)
+    with pytest.raises(ValueError, match="max_rows"):
+        set_gemv(layer, MAX_ROWS + 1)
 
 
 @pytest.mark.gpu
@@ -153,16 +240,29 @@ def test_gpu_gemv_llama3_8b_shapes(n, k):
 
 
 @pytest.mark.gpu
-def test_gpu_gemv_chain_in_a_cuda_graph():
+@pytest.mark.parametrize("m", [2, 8, 16])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (128256, 4096)])
+def test_gpu_gemv_rows_llama3_8b_shapes(m, n, k):
+    """The rows kernel at Llama-3.1-8B's decode shapes against F.linear in bf16."""
+    x = randn(m, k, dtype=torch.bfloat16)
+    w = randn(n, k, dtype=torch.bfloat16, seed=1, scale=k**-0.5)
+    y = gemv(x, w)
+    torch.testing.assert_close(y, gemv_reference(x, w), **ULP[torch.bfloat16])
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w), **ULP[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,config", [(1, None), (8, None), (8, RowsConfig(16, 128, 4, 3, 4))])
+def test_gpu_gemv_chain_in_a_cuda_graph(rows, config):
     """A chain of dependent products (each reads the previous one's output) captured in a CUDA graph and
     replayed: with programmatic dependent launch a kernel starts before its predecessor ends, so a missing
     wait would read stale inputs. The replay must equal the eager chain bit for bit."""
     ws = [randn(512, 512, dtype=torch.bfloat16, seed=i, scale=512**-0.5) for i in range(8)]
-    x0 = randn(1, 512, dtype=torch.bfloat16, seed=99)
+    x0 = randn(rows, 512, dtype=torch.bfloat16, seed=99)
 
     def chain(x):
         for w in ws:
-            x = gemv(x, w)
+            x = gemv(x, w, config=config)
         return x
 
     eager = chain(x0)
@@ -173,10 +273,20 @@ def test_gpu_gemv_chain_in_a_cuda_graph():
     with torch.cuda.graph(graph):
         static_y = chain(static_x)
     for seed in (99, 5, 6):
-        static_x.copy_(randn(1, 512, dtype=torch.bfloat16, seed=seed))
+        static_x.copy_(randn(rows, 512, dtype=torch.bfloat16, seed=seed))
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(static_y, chain(static_x.clone())), seed
     static_x.copy_(x0)
     graph.replay()
     assert torch.equal(static_y, eager)
+
+
+def test_engine_config_bounds_gemv_max_rows():
+    from engine.config import EngineConfig
+    from engine.errors import InvalidConfigError
+
+    assert EngineConfig().gemv_max_rows == MAX_ROWS
+    for bad in (-1, MAX_ROWS + 1):
+        with pytest.raises(InvalidConfigError, match="gemv_max_rows"):
+            EngineConfig(gemv_max_rows=bad)
