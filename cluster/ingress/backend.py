@@ -17,6 +17,15 @@ worker (Worker.abort), which frees its KV pages. A request whose worker left bef
 streamed is routed again; one that left mid-stream is continued on another worker from the tokens
 generated so far (Continuation: the client sees one uninterrupted stream), MAX_ROUTE_ATTEMPTS in all.
 Ingress replicas hold no routing state (it lives in the router deployment), so they scale freely.
+
+Load (503 queue_full + Retry-After, fastest first):
+    - this replica alone holds as many requests as the pool admits (the capacity the router's last
+      decision reported): refused at once, no call at all (the router's count covers every ingress
+      replica, so this is only a lower bound of the pool's load: it never refuses what the pool admits);
+    - the router finds every worker full (its in_flight vs each worker's reported capacity):
+      PoolFullError, no worker called;
+    - a worker refuses (QueueFullError from its engine): the request is routed again, to a worker that
+      has not refused it, within MAX_ROUTE_ATTEMPTS.
 """
 
 import asyncio
@@ -33,10 +42,12 @@ from cluster.latency import IngressLatency, RequestClock
 from cluster.router.policies import NoWorkersError
 from cluster.rpc import STREAM_OPTIONS, awaited, detached, is_dead, unwrap
 from cluster.workers.base import WorkerItem, WrongReplicaError
+from cluster.router.policies import PoolFullError
+from engine.errors import QueueFullError
 from engine.sampling_params import SamplingParams
 from engine.text import OutputText
 from serving.backend import ServingBackend
-from serving.errors import APIError
+from serving.errors import RETRY_AFTER_S, APIError
 
 
 logger = logging.getLogger("ray.serve")
@@ -50,6 +61,16 @@ MAX_ROUTE_ATTEMPTS = 3
 
 def _worker_gone(exc: BaseException) -> bool:
     return is_dead(exc) or isinstance(exc, WrongReplicaError)
+
+
+def _retryable(exc: BaseException) -> bool:
+    """Another worker may take it: this one is gone, or full (QueueFullError)."""
+    return _worker_gone(exc) or isinstance(exc, QueueFullError)
+
+
+def queue_full(message: str) -> APIError:
+    """The 503 of a full pool (as the engine's own QueueFullError answers)."""
+    return APIError(503, message, None, "queue_full", retry_after=RETRY_AFTER_S)
 
 
 def may_continue(
@@ -202,6 +223,10 @@ class ClusterBackend(ServingBackend):
         """This replica's routing-call and call → first message times (GET /router/stats, "ingress")."""
         self.last_stats: Optional[Any] = None
         """The last ClusterStats fetched (for the per-worker metrics collector)."""
+        self.held = 0
+        """Requests of this replica between their arrival here and their end."""
+        self.pool_capacity: Optional[int] = None
+        """Requests the (decode or unified) pool admits, from the router's last decision; None: unknown."""
 
     @property
     def vocab_size(self) -> int:
@@ -224,7 +249,11 @@ class ClusterBackend(ServingBackend):
                 raise
             exc = unwrap(exc)
             if isinstance(exc, NoWorkersError):
-                raise APIError(503, f"no worker replica is available: {exc}", None, "no_workers") from None
+                raise APIError(
+                    503, f"no worker replica is available: {exc}", None, "no_workers", retry_after=RETRY_AFTER_S
+                ) from None
+            if isinstance(exc, PoolFullError):
+                raise queue_full(f"the cluster is full: {exc}; retry later") from None
             raise exc
         self.latency.on_route((time.perf_counter() - start) * 1e3)
         return decision
@@ -243,13 +272,31 @@ class ClusterBackend(ServingBackend):
             del self._streams[stream.worker_id]
 
     async def generate_stream(self, input_ids: List[int], params: Any, rid: str) -> AsyncIterator[Any]:
+        """The request's outputs (see `_attempts`); refused at once when this replica alone holds as many
+        requests as the pool admits."""
+        capacity = self.pool_capacity
+        if capacity is not None and self.held >= capacity:
+            raise queue_full(f"the cluster is full ({capacity} requests admitted by its workers); retry later")
+        self.held += 1
+        try:
+            async for out in self._attempts(input_ids, params, rid):
+                yield out
+        finally:
+            self.held -= 1
+
+    async def _attempts(self, input_ids: List[int], params: Any, rid: str) -> AsyncIterator[Any]:
+        """Route, submit, stream; again on another worker when one refuses (full) or leaves."""
         text = OutputText(self.tokenizer, input_ids, params)  # before routing: nothing to finish if it raises
         continuation = Continuation(input_ids, params)
+        refused: List[str] = []
+        """Workers that answered queue_full: not asked again for this request."""
         for attempt in range(1, MAX_ROUTE_ATTEMPTS + 1):
             ids, attempt_params = continuation.attempt()
             decision = await self._ask_router(
-                lambda: self.router.route.remote(ids, rid), lambda late: self._finish(late.worker_id)
+                lambda: self.router.route.remote(ids, rid, exclude=tuple(refused)),
+                lambda late: self._finish(late.worker_id),
             )
+            self.pool_capacity = decision.pool_capacity
             worker_id = decision.worker_id
             progress = RequestProgress(params.n)
             clock = RequestClock()  # the worker call → first message (the routing call is timed apart)
@@ -265,12 +312,16 @@ class ClusterBackend(ServingBackend):
                 async for out in self._outputs(queue, text, worker_id, rid, params.n, clock, progress, continuation):
                     yield out
                 return
-            except Exception as exc:  # noqa: BLE001 - a worker that left: route again, continuing the stream
+            except Exception as exc:  # noqa: BLE001 - a worker that left or is full: route again
                 cause = unwrap(exc)
-                if not may_continue(cause, progress, continuation, attempt, MAX_ROUTE_ATTEMPTS, _worker_gone):
+                if not may_continue(cause, progress, continuation, attempt, MAX_ROUTE_ATTEMPTS, _retryable):
                     raise cause from None
-                await self._report_dead(worker_id)
-                _log_continue(rid, worker_id, continuation)
+                if isinstance(cause, QueueFullError):
+                    refused.append(worker_id)
+                    logger.debug("request %s: worker %s is full; routing it again", rid, worker_id)
+                else:
+                    await self._report_dead(worker_id)
+                    _log_continue(rid, worker_id, continuation)
             finally:
                 self._close(worker_id, rid, progress)
                 self.latency.on_request(clock)
