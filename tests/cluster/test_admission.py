@@ -1,5 +1,6 @@
 """Admission control in the cluster (real local Ray cluster, CPU): 2 workers that admit 2 requests each
-(max_running_requests=2, max_queued_requests=0).
+(max_running_requests=2, max_queued_requests=0), and a rate limit of 30 requests per minute per API key
+at the ingress (the admission tests send fewer, without a key; the rate-limit test runs last).
 
 - a worker that refuses (queue_full) has the request routed to another worker of the pool;
 - when every worker has refused or is full, the ingress answers 503 queue_full with Retry-After, and a
@@ -10,6 +11,7 @@ the router still sees room there: that is how a worker's own refusal is provoked
 timings.
 """
 
+import asyncio
 import contextlib
 import json
 
@@ -38,6 +40,7 @@ def cluster():
         max_running_requests=2,
         max_queued_requests=0,
         report_interval_s=0.25,
+        rate_limit_requests_per_minute=30,
     )
     yield start_serve(args, APP)
     stop_serve()
@@ -128,3 +131,26 @@ def test_full_pool_is_refused_without_calling_a_worker(cluster, http):
         with pytest.raises(PoolFullError):  # the router's own refusal (the ingress refused first here)
             router.route.remote([1, 2, 3]).result(timeout_s=30)
     wait_for(lambda: set(_in_flight(http).values()) == {0}, 60, "the router to count nothing in flight")
+
+
+def test_rate_limit_per_key_at_the_ingress(cluster, http):
+    """40 requests of one key at once against 30 per minute: the excess gets OpenAI's 429 with Retry-After
+    and the x-ratelimit headers (of those the limit let through, what the 4 places of the pool cannot hold
+    gets its 503 queue_full); another key is not affected."""
+
+    async def burst() -> list:
+        headers = {"Authorization": "Bearer rl-key"}
+        async with httpx.AsyncClient(base_url=cluster, timeout=120, headers=headers) as client:
+            return await asyncio.gather(*(client.post("/generate", json=_generate(f"rl{i}")) for i in range(40)))
+
+    responses = asyncio.run(burst())
+    refused = [r for r in responses if r.status_code == 429]
+    assert refused and {r.status_code for r in responses} <= {200, 429, 503}
+    assert all(r.json()["error"]["code"] == "queue_full" for r in responses if r.status_code == 503)
+    for r in refused:
+        err = r.json()["error"]
+        assert (err["type"], err["code"]) == ("requests", "rate_limit_exceeded"), err
+        assert int(r.headers["retry-after"]) >= 1 and r.headers["x-ratelimit-limit-requests"] == "30"
+    assert all(r.headers["x-ratelimit-limit-requests"] == "30" for r in responses)
+    other = http.post("/generate", json=_generate("rl-other"), headers={"Authorization": "Bearer other-key"})
+    assert other.status_code == 200 and other.headers["x-ratelimit-remaining-requests"] == "29"
