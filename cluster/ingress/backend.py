@@ -56,7 +56,8 @@ _RPC_TIMEOUT_S = 120.0
 
 
 MAX_ROUTE_ATTEMPTS = 3
-"""Routings per request (the first and each worker that left under it, before or while it streamed)."""
+"""Routings per request, in unified and disaggregated mode: the first, and one more for each worker (or
+pair) that left under it, failed or refused it, before or while it streamed."""
 
 
 def _worker_gone(exc: BaseException) -> bool:
@@ -78,12 +79,12 @@ def may_continue(
     progress: "RequestProgress",
     continuation: "Continuation",
     attempt: int,
-    max_attempts: int,
     retryable: Callable[[BaseException], bool],
 ) -> bool:
-    """Whether a failed attempt is tried again on another worker: the failure is `retryable`, attempts are
-    left, and nothing was streamed yet or the request can be continued from its tokens so far."""
-    if attempt >= max_attempts or not retryable(cause):
+    """Whether failed attempt number `attempt` is tried again on another worker: the failure is `retryable`,
+    attempts are left (MAX_ROUTE_ATTEMPTS), and nothing was streamed yet or the request can be continued from
+    its tokens so far."""
+    if attempt >= MAX_ROUTE_ATTEMPTS or not retryable(cause):
         return False
     return not progress.streamed or continuation.resumable
 
@@ -160,16 +161,14 @@ class Continuation:
 
     def __init__(self, input_ids: List[int], params: SamplingParams):
         self.input_ids, self.params = input_ids, params
+        constrained = params.json_schema is not None or params.regex is not None or params.ebnf is not None
+        self.resumable = params.n == 1 and not constrained and params.prompt_logprobs is None
+        """Whether the request can go on elsewhere after a cut (decided once)."""
         self.generated: List[int] = []
+        """Tokens generated so far (recorded only when resumable: nothing else reads them)."""
         self._base = 0
         """Tokens generated before the current attempt."""
         self._cached: Optional[int] = None
-
-    @property
-    def resumable(self) -> bool:
-        p = self.params
-        constrained = p.json_schema is not None or p.regex is not None or p.ebnf is not None
-        return p.n == 1 and not constrained and p.prompt_logprobs is None
 
     def attempt(self) -> Tuple[List[int], SamplingParams]:
         """The prompt and params of the next attempt."""
@@ -181,8 +180,10 @@ class Continuation:
         )
 
     def seen(self, out: Any) -> Any:
-        """`out` (a worker's StreamOutput) as an output of the client's request; records its tokens."""
-        self.generated.extend(out.new_token_ids)
+        """`out` (a worker's StreamOutput) as an output of the client's request; records its tokens when the
+        request is resumable."""
+        if self.resumable:
+            self.generated.extend(out.new_token_ids)
         if not self._base:
             self._cached = out.cached_tokens
             return out
@@ -314,7 +315,7 @@ class ClusterBackend(ServingBackend):
                 return
             except Exception as exc:  # noqa: BLE001 - a worker that left or is full: route again
                 cause = unwrap(exc)
-                if not may_continue(cause, progress, continuation, attempt, MAX_ROUTE_ATTEMPTS, _retryable):
+                if not may_continue(cause, progress, continuation, attempt, _retryable):
                     raise cause from None
                 if isinstance(cause, QueueFullError):
                     refused.append(worker_id)
