@@ -145,6 +145,7 @@ def deployment(args: ClusterArgs) -> Application:
             args.max_body_bytes,
             admin_api_key=args.admin_api_key,
             request_timeout_s=args.request_timeout_s,
+            rate_limits=args.rate_limits(),
             mode=args.mode,
             tokenizer_source=args.tokenizer,
             prefill=pools.get("prefill") if args.early_prefill else None,

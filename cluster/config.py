@@ -197,6 +197,18 @@ class _ClusterFields(BaseModel):
         description="Default deadline of a request, queueing included (None: no default); a request's "
         "'timeout' may shorten it. Past it the request is aborted on its worker: a 504, or an error event.",
     )
+    rate_limit_requests_per_minute: Optional[int] = Field(
+        None,
+        ge=1,
+        description="Requests per minute per API key on the generating routes (429 beyond); each ingress "
+        "replica enforces its share, this / ingress_replicas rounded up. None: no limit.",
+    )
+    rate_limit_tokens_per_minute: Optional[int] = Field(
+        None,
+        ge=1,
+        description="Tokens per minute per API key, charged at admission as prompt tokens + max_tokens per "
+        "choice (429 beyond); each ingress replica enforces this / ingress_replicas rounded up. None: no limit.",
+    )
     worker_access_log: bool = Field(
         False,
         description="Log every call to a worker replica (generate, and the "
@@ -314,6 +326,13 @@ class _Validated(_ClusterFields):
         if self.mode == "disaggregated":  # the KV transfer needs the KV pool in the worker's process
             options["core_process"] = False
         return options
+
+    def rate_limits(self) -> Any:
+        """serving.ratelimit.RateLimits that each ingress replica enforces (its share of the limits)."""
+        from serving.ratelimit import RateLimits
+
+        limits = RateLimits(self.rate_limit_requests_per_minute, self.rate_limit_tokens_per_minute)
+        return limits.share(self.ingress_replicas)
 
     def model_name(self) -> str:
         if self.served_model_name:

@@ -18,6 +18,7 @@ from typing import Any, List, Optional
 
 from engine.config import EngineConfig
 from serving.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_TIMEOUT_S
+from serving.ratelimit import RateLimits
 from serving.server import DEFAULT_GRACE_S
 
 _SERVER_FIELDS = {"model"}
@@ -78,6 +79,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="On SIGTERM / Ctrl-C: stop admitting, let running requests finish this long, then end "
         f"them with an error (default: {DEFAULT_GRACE_S:g}).",
     )
+    p.add_argument(
+        "--rate-limit-requests-per-minute",
+        type=int,
+        default=None,
+        help="Requests per minute per API key on the generating routes; beyond, 429 (default: no limit).",
+    )
+    p.add_argument(
+        "--rate-limit-tokens-per-minute",
+        type=int,
+        default=None,
+        help="Tokens per minute per API key, charged at admission as prompt tokens + max_tokens per "
+        "choice; beyond, 429 (default: no limit).",
+    )
     p.add_argument("--log-level", default="info")
     group = p.add_argument_group("engine options (engine.config.EngineConfig)")
     for f in dataclasses.fields(EngineConfig):
@@ -110,7 +124,12 @@ def default_model_name(model: Optional[str]) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        rate_limits = RateLimits(args.rate_limit_requests_per_minute, args.rate_limit_tokens_per_minute)
+    except ValueError as exc:
+        parser.error(str(exc))
     logging.basicConfig(level=args.log_level.upper())
     from engine import Engine
     from serving import server
@@ -127,6 +146,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         model_name=args.served_model_name or default_model_name(args.model),
         max_body_bytes=args.max_body_bytes,
         request_timeout_s=args.request_timeout_s,
+        rate_limits=rate_limits,
     )
     try:
         server.run(

@@ -2,7 +2,9 @@
 
 Request path: ASGI middlewares (outermost first) count requests by route and status
 (`_RequestMetrics`), reject bodies over `max_body_bytes` with 413 (`_BodyLimit`, which buffers
-the body and replays it) and check the API key on /v1/* and /generate (`_ApiKeyAuth`); then the
+the body and replays it), check the API key on /v1/* and /generate (`_ApiKeyAuth`) and, when set,
+a key's requests per minute (`RateLimit`, serving/ratelimit.py; its tokens are charged in
+ServingState.start_stream); then the
 routes (openai_routes, generate_routes) translate to token ids and SamplingParams and stream from
 the backend. The cluster ingress builds the same app over its own backend.
 """
@@ -20,6 +22,7 @@ from serving.backend import ServingBackend
 from serving.errors import error_response, install_error_handlers
 from serving.lifetime import Lifetimes
 from serving.metrics import Metrics
+from serving.ratelimit import RateLimit, RateLimiter, RateLimits
 from serving.state import ServingState
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -40,6 +43,7 @@ def build_app(
     title: str = "radixserve",
     own_auth_prefixes: Tuple[str, ...] = (),
     request_timeout_s: Optional[float] = DEFAULT_REQUEST_TIMEOUT_S,
+    rate_limits: Optional[RateLimits] = None,
 ) -> FastAPI:
     """The OpenAI-compatible app serving `backend` under `model_name`.
 
@@ -50,6 +54,7 @@ def build_app(
     `request_timeout_s`: the default deadline of every request, queueing included (None: none); a
     request's own `timeout` can only shorten it. `app.state.serving.lifetimes.drain(grace_s)` starts
     a drain (serving/lifetime.py).
+    `rate_limits`: requests and tokens per minute per API key (serving/ratelimit.py); None: none.
     """
     app = FastAPI(
         title=title,
@@ -64,6 +69,10 @@ def build_app(
     install_error_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(generate_routes.router)
+    app.state.rate_limiter = None
+    if rate_limits is not None and rate_limits.enabled:  # inside the key check: only known keys count
+        app.state.rate_limiter = RateLimiter(rate_limits)
+        app.add_middleware(RateLimit, limiter=app.state.rate_limiter)
     if api_key:
         app.add_middleware(_ApiKeyAuth, api_key=api_key, exempt_prefixes=own_auth_prefixes)
     app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)

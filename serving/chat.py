@@ -166,7 +166,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         body, max_tokens, logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0, json_schema=plan.json_schema
     )
     rid = new_id("chatcmpl")
-    stream = await st.start_stream([plan.prompt_ids], params, rid, body.timeout)
+    stream = await st.start_stream([plan.prompt_ids], params, rid, body.timeout, request)
     if body.stream:
         return stream_response(stream, chat_events(st, body, plan, rid, stream))
     states = await cancel_on_disconnect(request, collect(stream, 1, params.n))

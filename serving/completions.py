@@ -71,7 +71,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     )
     rid = new_id("cmpl")
     echo = [st.tokenizer.decode(ids) if body.echo else "" for ids in prompts]
-    stream = await st.start_stream(prompts, params, rid, body.timeout)
+    stream = await st.start_stream(prompts, params, rid, body.timeout, request)
     if body.stream:
         return stream_response(stream, _events(st, body, rid, stream, echo, prompts))
     states = await cancel_on_disconnect(request, collect(stream, len(prompts), params.n))

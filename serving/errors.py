@@ -5,7 +5,8 @@ Every error leaves the server as
     {"error": {"message": str, "type": str, "param": str | null, "code": str | int | null}}
 
 with: 400 invalid request (pydantic validation included, FastAPI's 422 becomes 400), 401 bad or
-missing API key, 404 unknown route, 413 body too large, 503 queue full / engine down / shutting
+missing API key, 404 unknown route, 413 body too large, 429 a key's rate limit (type "requests" or
+"tokens", as OpenAI's; serving/ratelimit.py), 503 queue full / engine down / shutting
 down (queue full and shutting down with Retry-After), 504 deadline exceeded. Bad input never
 reaches the 500 handler; that one exists so a bug still answers in the same shape.
 """
@@ -54,26 +55,35 @@ class APIError(Exception):
         code: Any = None,
         *,
         retry_after: Optional[int] = None,
+        type: Optional[str] = None,
     ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.retry_after = retry_after
+        self.type = type
+        """The body's "type" when not the status's usual one (a rate limit's "requests" / "tokens")."""
 
     @property
     def headers(self) -> Optional[dict]:
         return None if self.retry_after is None else {"Retry-After": str(self.retry_after)}
 
 
-def error_body(status: int, message: str, param: Optional[str] = None, code: Any = None) -> dict:
-    return {
-        "error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param, "code": code}
-    }
+def error_body(
+    status: int, message: str, param: Optional[str] = None, code: Any = None, type: Optional[str] = None
+) -> dict:
+    kind = type or _TYPES.get(status, "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def error_response(
-    status: int, message: str, param: Optional[str] = None, code: Any = None, headers: Optional[dict] = None
+    status: int,
+    message: str,
+    param: Optional[str] = None,
+    code: Any = None,
+    headers: Optional[dict] = None,
+    type: Optional[str] = None,
 ) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message, param, code, type), status_code=status, headers=headers)
 
 
 def to_api_error(exc: BaseException) -> APIError:
@@ -117,7 +127,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers, exc.type)
 
     @app.exception_handler(EngineError)
     async def _engine_error(_: Request, exc: EngineError) -> JSONResponse:
@@ -139,4 +149,4 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _other(_: Request, exc: Exception) -> JSONResponse:
         err = to_api_error(exc)
-        return error_response(err.status, err.message, err.param, err.code, err.headers)
+        return error_response(err.status, err.message, err.param, err.code, err.headers, err.type)

@@ -71,7 +71,7 @@ async def generate(body: GenerateRequest, request: Request):
     for ids in prompts:
         st.check_context(len(ids), params.max_new_tokens, "input_ids")
     rid = body.rid or new_id("gen")
-    stream = await st.start_stream(prompts, params, rid, body.timeout)
+    stream = await st.start_stream(prompts, params, rid, body.timeout, request)
     many = batch or params.n > 1
     if body.stream:
         return stream_response(stream, _events(rid, body, stream, len(prompts)))

@@ -15,6 +15,7 @@ from serving.backend import ServingBackend
 from serving.errors import APIError
 from serving.lifetime import Lifetimes
 from serving.metrics import Metrics
+from serving.ratelimit import charge_tokens
 from serving.protocol import PromptTokensDetails, Usage
 from serving.streams import GenerationStream
 
@@ -29,10 +30,19 @@ class ServingState:
     _token_strs: Dict[int, str] = field(default_factory=dict)
 
     async def start_stream(
-        self, prompts: List[List[int]], params: SamplingParams, rid: str, timeout_s: Optional[float]
+        self,
+        prompts: List[List[int]],
+        params: SamplingParams,
+        rid: str,
+        timeout_s: Optional[float],
+        request: Optional[Request] = None,
     ) -> GenerationStream:
         """The GenerationStream of a validated request, bounded by its deadline (`timeout_s`, the
-        server's default, the drain); 503 + Retry-After while the server drains."""
+        server's default, the drain); 503 + Retry-After while the server drains. With rate limits, the
+        tokens it may use (prompts + max_tokens per choice) are charged to the key of `request` first
+        (429 when they cannot be)."""
+        if request is not None:
+            charge_tokens(request.scope, sum(len(p) for p in prompts) + len(prompts) * params.n * params.max_new_tokens)
         lifetime = self.lifetimes.begin(timeout_s)
         try:
             return await GenerationStream.start(self.backend, prompts, params, rid, self.metrics.timer(), lifetime)

@@ -17,6 +17,15 @@ worker (Worker.abort), which frees its KV pages. A request whose worker left bef
 streamed is routed again; one that left mid-stream is continued on another worker from the tokens
 generated so far (Continuation: the client sees one uninterrupted stream), MAX_ROUTE_ATTEMPTS in all.
 Ingress replicas hold no routing state (it lives in the router deployment), so they scale freely.
+
+Load (503 queue_full + Retry-After, fastest first):
+    - this replica alone holds as many requests as the pool admits (the capacity the router's last
+      decision reported): refused at once, no call at all (the router's count covers every ingress
+      replica, so this is only a lower bound of the pool's load: it never refuses what the pool admits);
+    - the router finds every worker full (its in_flight vs each worker's reported capacity):
+      PoolFullError, no worker called;
+    - a worker refuses (QueueFullError from its engine): the request is routed again, to a worker that
+      has not refused it, within MAX_ROUTE_ATTEMPTS.
 """
 
 import asyncio
@@ -33,10 +42,12 @@ from cluster.latency import IngressLatency, RequestClock
 from cluster.router.policies import NoWorkersError
 from cluster.rpc import STREAM_OPTIONS, awaited, detached, is_dead, unwrap
 from cluster.workers.base import WorkerItem, WrongReplicaError
+from cluster.router.policies import PoolFullError
+from engine.errors import QueueFullError
 from engine.sampling_params import SamplingParams
 from engine.text import OutputText
 from serving.backend import ServingBackend
-from serving.errors import APIError
+from serving.errors import RETRY_AFTER_S, APIError
 
 
 logger = logging.getLogger("ray.serve")
@@ -45,11 +56,22 @@ _RPC_TIMEOUT_S = 120.0
 
 
 MAX_ROUTE_ATTEMPTS = 3
-"""Routings per request (the first and each worker that left under it, before or while it streamed)."""
+"""Routings per request, in unified and disaggregated mode: the first, and one more for each worker (or
+pair) that left under it, failed or refused it, before or while it streamed."""
 
 
 def _worker_gone(exc: BaseException) -> bool:
     return is_dead(exc) or isinstance(exc, WrongReplicaError)
+
+
+def _retryable(exc: BaseException) -> bool:
+    """Another worker may take it: this one is gone, or full (QueueFullError)."""
+    return _worker_gone(exc) or isinstance(exc, QueueFullError)
+
+
+def queue_full(message: str) -> APIError:
+    """The 503 of a full pool (as the engine's own QueueFullError answers)."""
+    return APIError(503, message, None, "queue_full", retry_after=RETRY_AFTER_S)
 
 
 def may_continue(
@@ -57,12 +79,12 @@ def may_continue(
     progress: "RequestProgress",
     continuation: "Continuation",
     attempt: int,
-    max_attempts: int,
     retryable: Callable[[BaseException], bool],
 ) -> bool:
-    """Whether a failed attempt is tried again on another worker: the failure is `retryable`, attempts are
-    left, and nothing was streamed yet or the request can be continued from its tokens so far."""
-    if attempt >= max_attempts or not retryable(cause):
+    """Whether failed attempt number `attempt` is tried again on another worker: the failure is `retryable`,
+    attempts are left (MAX_ROUTE_ATTEMPTS), and nothing was streamed yet or the request can be continued from
+    its tokens so far."""
+    if attempt >= MAX_ROUTE_ATTEMPTS or not retryable(cause):
         return False
     return not progress.streamed or continuation.resumable
 
@@ -139,16 +161,14 @@ class Continuation:
 
     def __init__(self, input_ids: List[int], params: SamplingParams):
         self.input_ids, self.params = input_ids, params
+        constrained = params.json_schema is not None or params.regex is not None or params.ebnf is not None
+        self.resumable = params.n == 1 and not constrained and params.prompt_logprobs is None
+        """Whether the request can go on elsewhere after a cut (decided once)."""
         self.generated: List[int] = []
+        """Tokens generated so far (recorded only when resumable: nothing else reads them)."""
         self._base = 0
         """Tokens generated before the current attempt."""
         self._cached: Optional[int] = None
-
-    @property
-    def resumable(self) -> bool:
-        p = self.params
-        constrained = p.json_schema is not None or p.regex is not None or p.ebnf is not None
-        return p.n == 1 and not constrained and p.prompt_logprobs is None
 
     def attempt(self) -> Tuple[List[int], SamplingParams]:
         """The prompt and params of the next attempt."""
@@ -160,8 +180,10 @@ class Continuation:
         )
 
     def seen(self, out: Any) -> Any:
-        """`out` (a worker's StreamOutput) as an output of the client's request; records its tokens."""
-        self.generated.extend(out.new_token_ids)
+        """`out` (a worker's StreamOutput) as an output of the client's request; records its tokens when the
+        request is resumable."""
+        if self.resumable:
+            self.generated.extend(out.new_token_ids)
         if not self._base:
             self._cached = out.cached_tokens
             return out
@@ -202,6 +224,10 @@ class ClusterBackend(ServingBackend):
         """This replica's routing-call and call → first message times (GET /router/stats, "ingress")."""
         self.last_stats: Optional[Any] = None
         """The last ClusterStats fetched (for the per-worker metrics collector)."""
+        self.held = 0
+        """Requests of this replica between their arrival here and their end."""
+        self.pool_capacity: Optional[int] = None
+        """Requests the (decode or unified) pool admits, from the router's last decision; None: unknown."""
 
     @property
     def vocab_size(self) -> int:
@@ -224,7 +250,11 @@ class ClusterBackend(ServingBackend):
                 raise
             exc = unwrap(exc)
             if isinstance(exc, NoWorkersError):
-                raise APIError(503, f"no worker replica is available: {exc}", None, "no_workers") from None
+                raise APIError(
+                    503, f"no worker replica is available: {exc}", None, "no_workers", retry_after=RETRY_AFTER_S
+                ) from None
+            if isinstance(exc, PoolFullError):
+                raise queue_full(f"the cluster is full: {exc}; retry later") from None
             raise exc
         self.latency.on_route((time.perf_counter() - start) * 1e3)
         return decision
@@ -243,13 +273,31 @@ class ClusterBackend(ServingBackend):
             del self._streams[stream.worker_id]
 
     async def generate_stream(self, input_ids: List[int], params: Any, rid: str) -> AsyncIterator[Any]:
+        """The request's outputs (see `_attempts`); refused at once when this replica alone holds as many
+        requests as the pool admits."""
+        capacity = self.pool_capacity
+        if capacity is not None and self.held >= capacity:
+            raise queue_full(f"the cluster is full ({capacity} requests admitted by its workers); retry later")
+        self.held += 1
+        try:
+            async for out in self._attempts(input_ids, params, rid):
+                yield out
+        finally:
+            self.held -= 1
+
+    async def _attempts(self, input_ids: List[int], params: Any, rid: str) -> AsyncIterator[Any]:
+        """Route, submit, stream; again on another worker when one refuses (full) or leaves."""
         text = OutputText(self.tokenizer, input_ids, params)  # before routing: nothing to finish if it raises
         continuation = Continuation(input_ids, params)
+        refused: List[str] = []
+        """Workers that answered queue_full: not asked again for this request."""
         for attempt in range(1, MAX_ROUTE_ATTEMPTS + 1):
             ids, attempt_params = continuation.attempt()
             decision = await self._ask_router(
-                lambda: self.router.route.remote(ids, rid), lambda late: self._finish(late.worker_id)
+                lambda: self.router.route.remote(ids, rid, exclude=tuple(refused)),
+                lambda late: self._finish(late.worker_id),
             )
+            self.pool_capacity = decision.pool_capacity
             worker_id = decision.worker_id
             progress = RequestProgress(params.n)
             clock = RequestClock()  # the worker call → first message (the routing call is timed apart)
@@ -265,12 +313,16 @@ class ClusterBackend(ServingBackend):
                 async for out in self._outputs(queue, text, worker_id, rid, params.n, clock, progress, continuation):
                     yield out
                 return
-            except Exception as exc:  # noqa: BLE001 - a worker that left: route again, continuing the stream
+            except Exception as exc:  # noqa: BLE001 - a worker that left or is full: route again
                 cause = unwrap(exc)
-                if not may_continue(cause, progress, continuation, attempt, MAX_ROUTE_ATTEMPTS, _worker_gone):
+                if not may_continue(cause, progress, continuation, attempt, _retryable):
                     raise cause from None
-                await self._report_dead(worker_id)
-                _log_continue(rid, worker_id, continuation)
+                if isinstance(cause, QueueFullError):
+                    refused.append(worker_id)
+                    logger.debug("request %s: worker %s is full; routing it again", rid, worker_id)
+                else:
+                    await self._report_dead(worker_id)
+                    _log_continue(rid, worker_id, continuation)
             finally:
                 self._close(worker_id, rid, progress)
                 self.latency.on_request(clock)

@@ -26,6 +26,7 @@ class Ingress:
         max_body_bytes: int,
         admin_api_key: Optional[str] = None,
         request_timeout_s: Optional[float] = None,
+        rate_limits: Any = None,
         mode: str = "unified",
         tokenizer_source: Optional[str] = None,
         prefill=None,
@@ -38,6 +39,8 @@ class Ingress:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.model_name, self.api_key, self.max_body_bytes = model_name, api_key, max_body_bytes
         self.admin_api_key, self.request_timeout_s = admin_api_key, request_timeout_s
+        self.rate_limits = rate_limits
+        """serving.ratelimit.RateLimits of this replica (its share of the cluster's), or None."""
         tokenizer = await asyncio.to_thread(load_tokenizer, resolve_model(tokenizer_source or model))
         info = await asyncio.wait_for(workers.info.remote(), 600)  # waits for a first worker to be up
         if mode == "disaggregated":
@@ -75,6 +78,7 @@ class Ingress:
             title="radixserve cluster",
             own_auth_prefixes=own_auth,
             request_timeout_s=self.request_timeout_s,
+            rate_limits=self.rate_limits,
         )
         self.lifetimes = app.state.serving.lifetimes
         app.state.serving.metrics.registry.register(WorkerGauges(self.backend, self.model_name))

@@ -13,8 +13,10 @@ One request (docs/disaggregation.md):
 Both calls carry the same seed (drawn here when the request has none), so the first token is sampled as in
 unified mode. A started prompt nobody claims (the request ended first, or a retry moved it) is dropped: by
 forget_prefill, else after kv_transfer_timeout_s. A failure before any token reached the client (either
-replica's death, a transfer failure or timeout) is retried on a new pair, up to MAX_ATTEMPTS in all; dead
-replicas are reported to the router first so that the new pair avoids them. A decode replica that dies
+replica's death, a transfer failure or timeout, a full replica) is retried on a new pair, up to
+backend.MAX_ROUTE_ATTEMPTS in all (a decode replica that answered queue_full is not asked again; the router
+refuses at once when the decode pool is full, as in unified mode: backend.py, "Load"); dead replicas are
+reported to the router first so that the new pair avoids them. A decode replica that dies
 mid-stream is replaced the same way: the new pair continues the request from the tokens generated so far
 (backend.Continuation), so the client sees one stream. Other failures after the first token reach the client.
 """
@@ -26,23 +28,20 @@ import random
 import uuid
 from typing import Any, AsyncIterator, List
 
-from cluster.ingress.backend import ClusterBackend, Continuation, RequestProgress, may_continue
+from cluster.ingress.backend import MAX_ROUTE_ATTEMPTS, ClusterBackend, Continuation, RequestProgress, may_continue
 from cluster.latency import RequestClock
 from cluster.rpc import is_dead, unwrap
 from cluster.workers.base import WrongReplicaError
 from cluster.workers.handoff import PrefillFailedError
+from engine.errors import QueueFullError
 from engine.text import OutputText
 
 logger = logging.getLogger("ray.serve")
 
 
-MAX_ATTEMPTS = 3
-"""Tries per request (first + retries) while nothing has been streamed."""
-
-
 def _retryable(cause: BaseException) -> bool:
-    """A failure that another pair may not meet: a replica died or left, or the prefill failed."""
-    return isinstance(cause, (PrefillFailedError, WrongReplicaError)) or is_dead(cause)
+    """A failure that another pair may not meet: a replica died, left or is full, or the prefill failed."""
+    return isinstance(cause, (PrefillFailedError, WrongReplicaError, QueueFullError)) or is_dead(cause)
 
 
 class DisaggregatedBackend(ClusterBackend):
@@ -53,17 +52,20 @@ class DisaggregatedBackend(ClusterBackend):
         super().__init__(*args, **kwargs)
         self.prefill_pool = prefill
 
-    async def generate_stream(self, input_ids: List[int], params: Any, rid: str) -> AsyncIterator[Any]:
+    async def _attempts(self, input_ids: List[int], params: Any, rid: str) -> AsyncIterator[Any]:
         if self.prefill_pool is not None and params.seed is None:  # both replicas must sample alike
             params = dataclasses.replace(params, seed=random.getrandbits(62))
         text = OutputText(self.tokenizer, input_ids, params)
         continuation = Continuation(input_ids, params)
-        for attempt in range(1, MAX_ATTEMPTS + 1):
+        refused: List[str] = []
+        """Decode replicas that answered queue_full: not asked again for this request."""
+        for attempt in range(1, MAX_ROUTE_ATTEMPTS + 1):
             ids, attempt_params = continuation.attempt()
             pair = await self._ask_router(
-                lambda: self.router.route_pair.remote(ids, rid),
+                lambda: self.router.route_pair.remote(ids, rid, exclude_decode=tuple(refused)),
                 lambda late: self._finish_pair(late, RequestClock()),
             )
+            self.pool_capacity = pair.decode.pool_capacity
             progress, clock = RequestProgress(params.n), RequestClock()
             decode_id = pair.decode.worker_id
             early_key = self._start_prefill(ids, attempt_params, rid, pair.prefill.worker_id, attempt)
@@ -81,10 +83,13 @@ class DisaggregatedBackend(ClusterBackend):
                 return
             except Exception as exc:  # noqa: BLE001 - a pair that failed: a new pair, continuing the stream
                 cause = unwrap(exc)
-                retry = may_continue(cause, progress, continuation, attempt, MAX_ATTEMPTS, _retryable)
+                retry = may_continue(cause, progress, continuation, attempt, _retryable)
                 await self._report_failure(pair, cause)
                 if not retry:
                     raise cause from None
+                if isinstance(cause, QueueFullError):
+                    refused.append(decode_id)
+                    continue
                 logger.warning(
                     "request %s: attempt %d failed after %d tokens (%r); going on with a new pair",
                     rid,

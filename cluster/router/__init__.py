@@ -5,6 +5,8 @@ Data flow and owners:
 
     ingress ── input_ids ──▶ Router.route (policies.py)
                                │ RoutingPolicy.choose(input_ids, ClusterState) → RoutingDecision
+                               │ (a full worker, by in-flight vs its reported capacity, is not chosen;
+                               │  every worker full → PoolFullError, the ingress's 503 queue_full)
                                │ ClusterState.on_routed: in-flight += 1, prompt → worker's tree
                                ▼
                              the chosen worker runs the request; on completion or abort the
@@ -23,6 +25,7 @@ thread-safe: the router deployment's event loop owns all of it.
 
 from cluster.router.policies import (
     NoWorkersError,
+    PoolFullError,  # noqa: F401
     Router,
     RoutingDecision,
     RoutingPolicy,  # noqa: F401

@@ -16,12 +16,13 @@ worker's approximate tree — for every policy, so cache statistics stay compara
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 from abc import ABC, abstractmethod
 from array import array
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Dict, List, Optional, Sequence, Type
+from typing import Callable, ClassVar, Collection, Dict, List, Optional, Sequence, Type
 
 from cluster.router.state import ClusterState, RouterConfig, WorkerId
 
@@ -30,13 +31,21 @@ class NoWorkersError(RuntimeError):
     """The cluster has no worker to route to."""
 
 
+class PoolFullError(RuntimeError):
+    """Every worker of the pool holds as many requests as it admits (by the router's count), or refused
+    this request already: the caller answers 503 queue_full with Retry-After, no worker is called."""
+
+
 @dataclass(frozen=True)
 class RoutingDecision:
     worker_id: WorkerId
     matched_tokens: int
     """Prompt tokens the chosen worker's approximate tree holds (estimated cache hit)."""
     reason: str
-    """cache_hit | cache_miss | imbalanced (cache_aware), else the policy's name."""
+    """cache_hit | cache_miss | imbalanced (cache_aware), else the policy's name; `room` when the policy's
+    choice was full (or excluded) and the least loaded worker with room took the request."""
+    pool_capacity: Optional[int] = None
+    """Requests the pool's workers admit together (ClusterState.capacity); None: unbounded or unknown."""
 
 
 class RoutingPolicy(ABC):
@@ -188,11 +197,30 @@ class Router:
         self.state = state or ClusterState(self.config)
         self.policy = make_policy(policy, self.config, rng)
 
-    def route(self, input_ids: Sequence[int]) -> RoutingDecision:
-        """Choose a worker and record the request as in flight there (prompt into its tree)."""
-        decision = self.policy.choose(input_ids, self.state)
-        self.state.on_routed(decision.worker_id, input_ids)
-        return decision
+    def route(
+        self, input_ids: Sequence[int], exclude: Collection[WorkerId] = (), check_room: bool = True
+    ) -> RoutingDecision:
+        """Choose a worker and record the request as in flight there (prompt into its tree).
+
+        Workers in `exclude` (they refused this request already) are never chosen; with `check_room`, nor
+        are full ones (ClusterState.has_room). When the policy picks one of those, the least loaded worker
+        left takes the request (reason "room"); when none is left, PoolFullError (NoWorkersError when the
+        pool is empty)."""
+        state = self.state
+        workers = RoutingPolicy._workers(state)
+        allowed = [w for w in workers if w not in exclude and (not check_room or state.has_room(w))]
+        if not allowed:
+            raise PoolFullError(
+                f"all {len(workers)} worker(s) of the pool are full"
+                + (f" or refused this request ({len(exclude)})" if exclude else "")
+            )
+        decision = self.policy.choose(input_ids, state)
+        if decision.worker_id not in allowed:
+            loads = state.loads()
+            target = min(allowed, key=lambda w: loads[w])
+            decision = RoutingDecision(target, state.match(target, input_ids), "room")
+        state.on_routed(decision.worker_id, input_ids)
+        return dataclasses.replace(decision, pool_capacity=state.capacity())
 
     def finish(self, worker_id: WorkerId) -> None:
         self.state.on_finished(worker_id)

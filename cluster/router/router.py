@@ -26,7 +26,7 @@ import collections
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from pydantic import BaseModel, Field
 from ray.exceptions import ActorDiedError
@@ -63,6 +63,9 @@ class WorkerView(BaseModel):
     routed_tokens: int
     matched_tokens: int = Field(description="Prompt tokens the tree held when routed (estimated cache hits).")
     in_flight: int
+    capacity: Optional[int] = Field(
+        None, description="Requests the worker admits (max_running + max_queued), as reported; null: unbounded."
+    )
     queue_len: int
     kv_usage: float
     load: float
@@ -127,20 +130,32 @@ class RouterDeployment:
 
     # --- requests from the ingress -------------------------------------------------------------
 
-    async def route(self, input_ids: List[int], rid: Optional[str] = None, pool: str = "unified") -> RoutingDecision:
-        """Choose a worker of `pool` for a prompt; record it as in flight there."""
-        decision = await self._route_in(self._pool(pool), input_ids)
+    async def route(
+        self,
+        input_ids: List[int],
+        rid: Optional[str] = None,
+        pool: str = "unified",
+        exclude: Sequence[str] = (),
+    ) -> RoutingDecision:
+        """Choose a worker of `pool` for a prompt, not one of `exclude` (they refused it) nor a full one;
+        record it as in flight there. Raises PoolFullError when every worker is full or excluded."""
+        decision = await self._route_in(self._pool(pool), input_ids, exclude)
         if rid is not None:
             self._remember(rid, decision.worker_id)
         return decision
 
-    async def route_pair(self, input_ids: List[int], rid: Optional[str] = None) -> PairDecision:
+    async def route_pair(
+        self, input_ids: List[int], rid: Optional[str] = None, exclude_decode: Sequence[str] = ()
+    ) -> PairDecision:
         """Disaggregated mode: a prefill worker (cache-aware over the prefill trees) and a decode worker
         (cache-aware over the decode trees, so multi-turn conversations return to their KV; by load
-        otherwise). Both are in flight until finish()."""
-        prefill = await self._route_in(self._pool("prefill"), input_ids)
+        otherwise), not one of `exclude_decode` (they refused the request) nor a full one. Both are in
+        flight until finish(). The prefill pool's in_flight counts a request until it ends, not only while
+        its prompt computes, so room is checked on the decode pool only (a full prefill replica's own
+        refusal moves the request to a new pair)."""
+        prefill = await self._route_in(self._pool("prefill"), input_ids, check_room=False)
         try:
-            decode = await self._route_in(self._pool("decode"), input_ids)
+            decode = await self._route_in(self._pool("decode"), input_ids, exclude_decode)
         except BaseException:
             self.finish(prefill.worker_id, "prefill")
             raise
@@ -204,6 +219,7 @@ class RouterDeployment:
                     routed_tokens=s.routed_tokens,
                     matched_tokens=s.matched_tokens,
                     in_flight=s.in_flight,
+                    capacity=state.workers[wid].capacity,
                     queue_len=s.queue_len,
                     kv_usage=s.kv_usage,
                     load=s.load,
@@ -229,7 +245,9 @@ class RouterDeployment:
             raise NoWorkersError(f"this cluster has no {name} pool (pools: {', '.join(self.pools)})")
         return p
 
-    async def _route_in(self, p: _Pool, input_ids: List[int]) -> RoutingDecision:
+    async def _route_in(
+        self, p: _Pool, input_ids: List[int], exclude: Sequence[str] = (), check_room: bool = True
+    ) -> RoutingDecision:
         self._sync_members(p)
         if not p.router.state.workers:
             try:
@@ -238,7 +256,7 @@ class RouterDeployment:
                 raise NoWorkersError(f"no {p.name} worker replica is running") from None
             self._sync_members(p)
         start = time.perf_counter()
-        decision = p.router.route(input_ids)
+        decision = p.router.route(input_ids, exclude, check_room)
         self._latency_ms.append((time.perf_counter() - start) * 1e3)
         return decision
 
@@ -301,7 +319,7 @@ class RouterDeployment:
                 logger.debug("router: report from %s failed: %r", wid, res)
             elif res.replica_id in p.router.state:
                 # res may come from another replica when the pinned one just left (fallback routing)
-                p.router.state.on_report(res.replica_id, res.queue_len, res.kv_usage, res.events)
+                p.router.state.on_report(res.replica_id, res.queue_len, res.kv_usage, res.events, res.capacity)
                 p.engine_stats[res.replica_id] = res.stats
 
     async def _report(self, p: _Pool, worker_id: str):

@@ -6,7 +6,7 @@ deployment writes it:
     on_routed(worker, tokens)   a request was sent: in-flight += 1, tree.insert(prompt)
     on_finished(worker)         it finished or was aborted: in-flight -= 1
     on_report(worker, ...)      the worker's periodic report: queue length, KV usage,
-                                drained CacheEvents (replayed onto its tree)
+                                drained CacheEvents (replayed onto its tree), capacity
     sync_members(ids)           membership follows the serving layer: new ids join with
                                 empty trees, missing ones are purged (tree and counters)
 
@@ -20,6 +20,12 @@ other router replicas. A request of ours still waiting counts twice, which
 deliberately penalises queues. kv_usage in [0, 1] adds up to `kv_usage_weight`
 requests: a nearly full KV pool means new requests will wait or retract. Reported
 values older than `report_ttl_s` are ignored (the worker may be stuck).
+
+Room: a worker admits at most `capacity` requests (its engine's max_running_requests +
+max_queued_requests, from its reports); `has_room` compares this router's in_flight with it, so the
+router can refuse at once when every worker of a pool is full (policies.PoolFullError) instead of
+letting each worker refuse. in_flight counts requests, the engine counts choices (n > 1 holds n):
+the router's view is a lower bound, and a worker's own refusal stays the last word.
 
 Not thread-safe: one event loop owns a ClusterState.
 """
@@ -80,6 +86,9 @@ class WorkerState:
     """Fraction of the KV pool in use, as last reported."""
     last_report_time: Optional[float] = None
     """Clock reading of the last report; None before the first."""
+    capacity: Optional[int] = None
+    """Requests the worker admits (max_running_requests + max_queued_requests), as reported; None:
+    unbounded, or not reported yet."""
     routed_requests: int = 0
     routed_tokens: int = 0
     matched_tokens: int = 0
@@ -177,8 +186,16 @@ class ClusterState:
         if worker is not None and worker.in_flight > 0:
             worker.in_flight -= 1
 
-    def on_report(self, worker_id: WorkerId, queue_len: int, kv_usage: float, events: Iterable = ()) -> bool:
-        """Take a worker's report; `events` are its CacheEvents in the order it drained them.
+    def on_report(
+        self,
+        worker_id: WorkerId,
+        queue_len: int,
+        kv_usage: float,
+        events: Iterable = (),
+        capacity: Optional[int] = None,
+    ) -> bool:
+        """Take a worker's report; `events` are its CacheEvents in the order it drained them; `capacity`
+        the requests it admits (None: unbounded).
 
         Returns False (and changes nothing) for an unknown worker.
         """
@@ -190,6 +207,7 @@ class ClusterState:
             worker.events_applied += 1
         worker.queue_len = max(0, int(queue_len))
         worker.kv_usage = min(1.0, max(0.0, float(kv_usage)))
+        worker.capacity = None if capacity is None else max(0, int(capacity))
         worker.last_report_time = self.clock()
         return True
 
@@ -204,6 +222,18 @@ class ClusterState:
         if (self.clock() if now is None else now) - worker.last_report_time <= self.config.report_ttl_s:
             load += worker.queue_len + self.config.kv_usage_weight * worker.kv_usage
         return load
+
+    def has_room(self, worker_id: WorkerId) -> bool:
+        """The worker may take one more request: its capacity is unknown or above this router's in_flight."""
+        worker = self.workers[worker_id]
+        return worker.capacity is None or worker.in_flight < worker.capacity
+
+    def capacity(self) -> Optional[int]:
+        """Requests all workers admit together; None when any is unbounded or not reported yet (or none)."""
+        caps = [w.capacity for w in self.workers.values()]
+        if not caps or any(c is None for c in caps):
+            return None
+        return sum(caps)
 
     def loads(self) -> Dict[WorkerId, float]:
         now = self.clock()

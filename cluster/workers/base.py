@@ -77,6 +77,8 @@ class WorkerReport:
     stats: Dict[str, float] = field(default_factory=dict)
     """engine.stats() at report time (counters for /metrics)."""
     time: float = 0.0
+    capacity: Optional[int] = None
+    """Requests the engine admits (max_running_requests + max_queued_requests); None: unbounded."""
 
 
 class OutputChannel:
@@ -178,7 +180,12 @@ class WorkerBase:
             events,
             stats,
             time.time(),
+            self._capacity(),
         )
+
+    def _capacity(self) -> Optional[int]:
+        cfg = self.engine.config
+        return None if cfg.max_queued_requests is None else cfg.max_running_requests + cfg.max_queued_requests
 
     async def stats(self) -> Dict[str, float]:
         return {**await self.engine.stats_async(), **self._extra_stats()}

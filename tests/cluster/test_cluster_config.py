@@ -98,3 +98,13 @@ def test_default_worker_cpus_fit_a_small_ray_cluster(monkeypatch):
     monkeypatch.setattr(app_module.ray, "is_initialized", lambda: False)  # `serve run` before Ray starts
     monkeypatch.setattr(app_module.os, "cpu_count", lambda: 2)
     assert share(ClusterArgs(mode="disaggregated")) == 0.8
+
+
+def test_rate_limits_are_shared_between_ingress_replicas():
+    from serving.ratelimit import RateLimits
+
+    assert not ClusterArgs().rate_limits().enabled  # off by default
+    args = ClusterArgs(rate_limit_requests_per_minute=100, rate_limit_tokens_per_minute=90_001, ingress_replicas=3)
+    assert args.rate_limits() == RateLimits(34, 30_001)
+    with pytest.raises(ValidationError, match="rate_limit_tokens_per_minute"):
+        ClusterArgs(rate_limit_tokens_per_minute=0)

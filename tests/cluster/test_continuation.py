@@ -41,4 +41,8 @@ def test_next_attempt_carries_the_tokens_so_far_and_what_is_left_of_the_budget()
     ],
 )
 def test_only_what_can_be_resumed_is(params, resumable):
-    assert Continuation([1, 2], params).resumable is resumable
+    c = Continuation([1, 2], params)
+    assert c.resumable is resumable
+    assert c.seen(_out([7, 8], 2)).new_token_ids == [7, 8]
+    assert c.generated == ([7, 8] if resumable else [])  # tokens are kept only for a request that may resume
+    assert c.attempt()[0] == ([1, 2, 7, 8] if resumable else [1, 2])

@@ -114,7 +114,8 @@ def test_no_workers_is_a_503_and_finishes_nothing(tokenizer):
         router = Router(refuse)
         with pytest.raises(APIError) as err:
             await _drain(_backend(router, tokenizer).generate_stream([1], SamplingParams(), "r3"))
-        assert err.value.status == 503
+        assert err.value.status == 503 and err.value.code == "no_workers"
+        assert err.value.headers == {"Retry-After": "1"}
         await asyncio.sleep(0)
         assert router.finish.calls == []
 

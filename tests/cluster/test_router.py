@@ -12,6 +12,7 @@ from cluster.router import (
     ApproximateTree,
     ClusterState,
     NoWorkersError,
+    PoolFullError,
     Router,
     RouterConfig,
     available_policies,
@@ -360,6 +361,52 @@ def test_router_route_inserts_and_finishes():
     assert other.worker_id != first.worker_id  # a miss goes to the less loaded worker
     router.finish(first.worker_id)
     assert router.state.workers[first.worker_id].in_flight == 1
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "round_robin", "power_of_two", "random", "prefix_hash"])
+def test_full_workers_are_skipped_then_the_pool_is_full(policy):
+    """A worker whose in_flight reached its reported capacity is not chosen; when every worker is full
+    (or excluded: it refused the request) route() raises PoolFullError and records nothing."""
+    router = Router(policy, RouterConfig(), random.Random(0))
+    router.state.sync_members(["w0", "w1"])
+    assert router.route([1, 2, 3]).pool_capacity is None  # no report yet: unbounded, never full
+    for w, cap in (("w0", 2), ("w1", 3)):
+        router.state.on_report(w, 0, 0.0, capacity=cap)
+    for w in ("w0", "w1"):  # clear what the first route counted
+        router.finish(w)
+    chosen = [router.route([1, 2, 3]) for _ in range(5)]
+    assert [d.pool_capacity for d in chosen] == [5] * 5
+    assert {w: router.state.workers[w].in_flight for w in ("w0", "w1")} == {"w0": 2, "w1": 3}
+    routed = sum(w.routed_requests for w in router.state.workers.values())
+    with pytest.raises(PoolFullError, match="all 2 worker"):
+        router.route([1, 2, 3])
+    assert sum(w.routed_requests for w in router.state.workers.values()) == routed
+    assert router.state.workers["w0"].in_flight == 2
+    router.finish("w1")
+    assert router.route([9, 9]).worker_id == "w1"  # room again
+    router.finish("w0")
+    with pytest.raises(PoolFullError, match="refused this request"):
+        router.route([5], exclude=["w0"])  # w1 full, w0 refused already
+    assert router.route([5], exclude=["w1"]).worker_id == "w0"
+
+
+def test_excluded_worker_is_replaced_by_least_loaded_with_room():
+    router = Router("cache_aware", RouterConfig(), random.Random(0))
+    router.state.sync_members(["w0", "w1", "w2"])
+    prompt = list(range(100))
+    first = router.route(prompt)
+    router.route(list(range(300, 400)))  # loads another worker
+    again = router.route(prompt, exclude=[first.worker_id])
+    assert again.reason == "room" and again.worker_id not in (first.worker_id,)
+    assert router.state.load(again.worker_id) == 1  # the idle one of the two left
+    unchecked = Router("round_robin", RouterConfig())
+    unchecked.state.sync_members(["w0"])
+    unchecked.state.on_report("w0", 0, 0.0, capacity=0)
+    assert unchecked.route([1], check_room=False).worker_id == "w0"  # prefill pool: room not checked
+    with pytest.raises(PoolFullError):
+        unchecked.route([1])
+    with pytest.raises(NoWorkersError):
+        Router("random").route([1], exclude=["w0"])  # empty pool: no_workers, not full
 
 
 def test_round_robin_cycles_and_follows_membership():

@@ -4,11 +4,8 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +14,7 @@ import httpx
 import pytest
 
 from conftest import assert_no_leak
-from serving_harness import MODEL, serve, wait_idle
+from serving_harness import MODEL, python_m_serving, serve, wait_idle
 
 LONG = {"max_tokens": 3000, "temperature": 0, "ignore_eos": True}
 
@@ -181,47 +178,12 @@ def test_lifetimes_refuse_while_draining():
     asyncio.run(scenario())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_sigterm_drains_python_m_serving_and_frees_the_port(tmp_path):
     """The acceptance run: 8 streams, SIGTERM, a 30 s grace; all 8 end with their last token and
     [DONE]; the process exits and its port is free."""
-    port = _free_port()
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "serving",
-            "--port",
-            str(port),
-            "--served-model-name",
-            MODEL,
-            "--graceful-shutdown-timeout-s",
-            "30",
-            "--log-level",
-            "warning",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 300
-        while True:
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, "server did not start"
-            time.sleep(0.5)
+    args = ("--served-model-name", MODEL, "--graceful-shutdown-timeout-s", "30", "--log-level", "warning")
+    with python_m_serving(*args, log_path=str(tmp_path / "server.log")) as (proc, url):
+        port = int(url.rsplit(":", 1)[1])
         started = threading.Barrier(9)
         bodies = [_cmpl(stream=True, max_tokens=48, temperature=0, ignore_eos=True) for _ in range(8)]
         with ThreadPoolExecutor(1) as pool:
@@ -236,8 +198,3 @@ def test_sigterm_drains_python_m_serving_and_frees_the_port(tmp_path):
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("127.0.0.1", port))
             s.listen()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()

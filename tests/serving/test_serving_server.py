@@ -5,24 +5,16 @@ KV usage is back to 0 afterwards, and Ctrl-C stops both processes."""
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
 from conftest import PROMPTS
+from serving_harness import python_m_serving
 
 pytestmark = pytest.mark.slow
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _children(pid: int) -> list:
@@ -32,34 +24,8 @@ def _children(pid: int) -> list:
 
 @pytest.fixture(scope="module")
 def server():
-    port = _free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "serving",
-            "--port",
-            str(port),
-            "--max-total-tokens",
-            "8192",
-            "--served-model-name",
-            "m",
-        ],
-        cwd=ROOT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None and time.time() < deadline, "python -m serving did not come up"
-        time.sleep(1)
-    yield proc, url
-    if proc.poll() is None:
-        proc.kill()
+    with python_m_serving("--max-total-tokens", "8192", "--served-model-name", "m") as (proc, url):
+        yield proc, url
 
 
 def test_streamed_completion_equals_the_engine(server, default_engine):
