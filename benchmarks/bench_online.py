@@ -13,8 +13,9 @@ Servers (--servers, in this order by default: vllm serving cluster):
   serving-switch  the same, started with sys.setswitchinterval(--switch-interval) (GIL hand-over
                   every 0.2 ms instead of Python's 5 ms): diagnosis of the one-process server
   cluster         `serve run cluster.app:deployment model=MODEL_DIR load_format=dummy
-                  served_model_name=m [--cluster-args]` with RAY_SERVE_USE_GRPC_BY_DEFAULT=1 and
-                  RAY_SERVE_ENABLE_HA_PROXY=1 (deploy/serve.sh's defaults), HAProxy on port 8000;
+                  served_model_name=m [--cluster-args]` with RAY_SERVE_USE_GRPC_BY_DEFAULT=1,
+                  RAY_SERVE_ENABLE_HA_PROXY=1 and RAY_SERVE_THROUGHPUT_OPTIMIZED=1 unless set
+                  otherwise (deploy/serve.sh's defaults), HAProxy on port 8000;
                   stopped with SIGINT, then every process it started is ended by id
                   (--ray-stop adds `ray stop --force`: only where no other Ray runs)
   bare            engine.Engine in a child process, no HTTP (engine options from --serving-args);
@@ -611,6 +612,7 @@ class ClusterServer(Server):
 
     def env(self) -> Dict[str, str]:
         env = dict(super().env(), RAY_SERVE_USE_GRPC_BY_DEFAULT="1", RAY_SERVE_ENABLE_HA_PROXY="1")
+        env.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")  # deploy/serve.sh's default; set 0 to compare
         env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
         return env
 
@@ -1169,6 +1171,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         "workload_args": extra,
         "servers": args.servers,
         "workloads": {w: workload_argv(w, counts, extra) for w in args.workloads},
+        "serve_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("RAY_SERVE_")},
         "caveat": "servers are not restarted between workloads: prefix caches persist across workloads "
         "(each workload has its own seed, so its prompts are new to the cache; this favours no server)",
     }

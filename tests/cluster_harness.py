@@ -20,13 +20,14 @@ WORKER_ENV = {
     "UCX_TLS": "tcp,self",
     "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
 }
 """Environment of every replica: offline model files, one thread per engine (2 CPUs are shared),
-UCX over TCP for NIXL in host memory, Serve's handles over gRPC and HAProxy in front as deploy/serve.sh
-and the image set them (also in this process, whose local Ray cluster the proxy inherits it from). A
-stopping ingress replica leaves at once: with HAProxy, Serve keeps it reachable for 30 s so that load
-balancers in front can deregister it, and none is in front of a test."""
+UCX over TCP for NIXL in host memory, Serve's handles over gRPC, HAProxy in front and Serve's throughput
+preset as deploy/serve.sh and the image set them (also in this process, whose local Ray cluster the
+proxy inherits it from). A stopping ingress replica leaves at once: with HAProxy, Serve keeps it
+reachable for 30 s so that load balancers in front can deregister it, and none is in front of a test."""
 
 
 def free_port() -> int:
@@ -45,7 +46,8 @@ def start_serve(args, app: str, env: Optional[Dict[str, str]] = None) -> str:
     from cluster.app import deployment
 
     env = env or {}
-    for name in ("RAY_SERVE_USE_GRPC_BY_DEFAULT", "RAY_SERVE_ENABLE_HA_PROXY"):  # read by the driver's Serve too
+    for name in ("RAY_SERVE_USE_GRPC_BY_DEFAULT", "RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_THROUGHPUT_OPTIMIZED"):
+        # read by the driver's Serve too
         os.environ[name] = env.get(name, WORKER_ENV[name])
     # HAProxy's stats and Prometheus ports are fixed (8404, 9101) unless set: free ones, so that a second
     # test cluster on this machine (another checkout's tests) cannot fail to start on a taken port.
