@@ -185,3 +185,10 @@ async def streams_across_a_kill(
         await asyncio.wait_for(all_started.wait(), 240)
         kill()
         return reference, list(await asyncio.gather(*tasks))
+
+
+def router_stats(http) -> dict:
+    """GET /router/stats through an httpx client on the cluster's URL, asserting a 200."""
+    r = http.get("/router/stats")
+    assert r.status_code == 200, r.text
+    return r.json()

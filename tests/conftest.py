@@ -1,4 +1,8 @@
-"""Shared fixtures: engines on the default model (CPU, float32), prompts, leak checks."""
+"""Fixtures shared by every test folder: the GPU marker's skip, engines on the default model (CPU, float32).
+
+Helpers that tests import (prompts, make_engine, assert_no_leak) live in engine_harness.py: a test module
+never imports a conftest (each folder may have its own).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import os
 
 import pytest
 
+from engine_harness import make_engine
 from pools_harness import pytest_runtest_teardown  # noqa: F401 - stops the pool tests' shared cluster
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -25,36 +30,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
-
-
-# Eight diverse prompts: chat, code, lists, numbers, another language, a long instruction.
-PROMPTS = [
-    "The capital of France is",
-    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
-    "List three primary colors:\n1.",
-    "Once upon a time, in a small village by the sea, there lived",
-    "Q: What is 12 times 7?\nA:",
-    "La recette de la tarte aux pommes commence par",
-    "<|im_start|>user\nWrite a haiku about autumn leaves.<|im_end|>\n<|im_start|>assistant\n",
-    "Explain in one sentence why the sky is blue, for a five-year-old child who asked at bedtime:",
-]
-
-
-def make_engine(**kwargs):
-    from engine import Engine
-
-    kwargs.setdefault("device", "cpu")
-    kwargs.setdefault("dtype", "float32")
-    kwargs.setdefault("max_total_tokens", 8192)
-    return Engine(**kwargs)
-
-
-def assert_no_leak(engine) -> None:
-    """Idle engine: every slot is free or held by the radix cache, and nothing is locked."""
-    s = engine.stats()
-    assert s["running"] == 0 and s["waiting"] == 0, s
-    assert s["kv_free_tokens"] + s["kv_evictable_tokens"] == s["kv_total_tokens"], s
-    assert s["kv_cached_tokens"] == s["kv_evictable_tokens"], s
 
 
 @pytest.fixture(scope="session")

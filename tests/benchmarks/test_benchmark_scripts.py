@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import assert_no_leak
+from engine_harness import assert_no_leak
 from serving_harness import MODEL, serve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -44,12 +44,6 @@ def cluster():
     stop_serve()
 
 
-@pytest.fixture(scope="module")
-def http(cluster):
-    with httpx.Client(base_url=cluster, timeout=120) as client:
-        yield client
-
-
 def _scale(http, pool: str, n: int) -> dict:
     r = http.post(f"/admin/pools/{pool}/scale", json={"replicas": n}, headers=ADMIN)
     assert r.status_code == 200, r.text

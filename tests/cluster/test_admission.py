@@ -23,7 +23,7 @@ from ray import serve  # noqa: E402
 
 from cluster.config import ClusterArgs  # noqa: E402
 from cluster.router.policies import PoolFullError  # noqa: E402
-from cluster_harness import start_serve, stop_serve, wait_for  # noqa: E402
+from cluster_harness import router_stats, start_serve, stop_serve, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -44,18 +44,6 @@ def cluster():
     )
     yield start_serve(args, APP)
     stop_serve()
-
-
-@pytest.fixture(scope="module")
-def http(cluster):
-    with httpx.Client(base_url=cluster, timeout=120) as client:
-        yield client
-
-
-def _stats(http) -> dict:
-    r = http.get("/router/stats")
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def _served() -> dict:
@@ -92,12 +80,12 @@ def _running(http, rid: str, n: int = 1):
 
 
 def _in_flight(http) -> dict:
-    return {w: v["in_flight"] for w, v in _stats(http)["workers"].items()}
+    return {w: v["in_flight"] for w, v in router_stats(http)["workers"].items()}
 
 
 def test_full_worker_hands_the_request_to_another_then_503(cluster, http):
     wait_for(
-        lambda: [v["capacity"] for v in _stats(http)["workers"].values()] == [2, 2],
+        lambda: [v["capacity"] for v in router_stats(http)["workers"].values()] == [2, 2],
         60,
         "both workers to report their capacity",
     )

@@ -22,6 +22,7 @@ from cluster.config import ClusterArgs  # noqa: E402
 from cluster_harness import (  # noqa: E402
     abort_storm,
     cluster_idle,
+    router_stats,
     start_serve,
     stop_serve,
     streams_across_a_kill,
@@ -39,18 +40,6 @@ def cluster():
     args = ClusterArgs(workers=2, policy="round_robin", num_cpus=0.5, max_total_tokens=4096, report_interval_s=0.25)
     yield start_serve(args, APP, env={"RAY_SERVE_ENABLE_HA_PROXY": "0"})
     stop_serve()
-
-
-@pytest.fixture(scope="module")
-def http(cluster):
-    with httpx.Client(base_url=cluster, timeout=120) as client:
-        yield client
-
-
-def _stats(http) -> dict:
-    r = http.get("/router/stats")
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 _wait = wait_for
@@ -143,7 +132,7 @@ def test_stop_strings_at_the_ingress_equal_engine(http, default_engine):
     _wait(
         lambda: all(
             w["engine"].get("running", 1) == 0 and w["engine"].get("waiting", 1) == 0 and w["in_flight"] == 0
-            for w in _stats(http)["workers"].values()
+            for w in router_stats(http)["workers"].values()
         ),
         20,
         "stopped choices aborted on the workers and finished at the router",
@@ -187,7 +176,7 @@ def test_every_request_runs_on_the_routed_worker(cluster):
 
 
 def test_router_stats_and_cluster_metrics(http):
-    s = _stats(http)
+    s = router_stats(http)
     assert s["policy"] == "round_robin" and len(s["workers"]) == 2
     assert s["routed_requests"] > 0 and s["route_latency_ms"]["count"] > 0
     for wid, w in s["workers"].items():
@@ -197,7 +186,7 @@ def test_router_stats_and_cluster_metrics(http):
     ingress = s["ingress"]  # the ingress's own share of TTFT: routing call and worker call → first message
     assert ingress["route_rpc_calls"] > 0 and ingress["route_rpc_ms"]["count"] > 0
     assert 0 < ingress["first_message_requests"] <= ingress["route_rpc_calls"] and ingress["first_message_s"] > 0
-    _wait(lambda: all(w["events_applied"] > 0 for w in _stats(http)["workers"].values()), 10, "cache events")
+    _wait(lambda: all(w["events_applied"] > 0 for w in router_stats(http)["workers"].values()), 10, "cache events")
     text = http.get("/metrics").text
     for wid in s["workers"]:
         assert f'radixserve_worker_kv_cache_usage_ratio{{model_name="{MODEL}",pool="unified",replica="{wid}"}}' in text
@@ -226,7 +215,7 @@ def test_client_disconnect_aborts_on_the_worker(cluster, http):
 
     def aborted_and_idle():
         # Worker stats reach the router with its next poll: wait for a report taken after the abort.
-        ws = _stats(http)["workers"].values()
+        ws = router_stats(http)["workers"].values()
         seen[:] = [(w["in_flight"], w["engine"].get("running"), w["engine"].get("aborted")) for w in ws]
         idle = all(w["in_flight"] == 0 and w["engine"].get("running", 1) == 0 for w in ws)
         return idle and sum(w["engine"].get("aborted", 0) for w in ws) >= 1
@@ -247,9 +236,9 @@ def test_abort_storm_leaves_nothing_behind(cluster, http):
     def idle():
         seen["stats"] = {
             wid: (w["in_flight"], w["engine"].get("running"), w["engine"].get("waiting"))
-            for wid, w in _stats(http)["workers"].items()
+            for wid, w in router_stats(http)["workers"].items()
         }
-        return cluster_idle(_stats(http))
+        return cluster_idle(router_stats(http))
 
     try:
         _wait(idle, 60, "every worker idle with its pages free")
@@ -268,7 +257,7 @@ def test_dead_worker_is_purged_and_replaced(http):
     """Kill one worker's actor while 16 greedy streams run on both: every stream goes on on the survivor
     (continued from its tokens so far) and ends with [DONE] and the text of an undisturbed run; the
     router purges the dead worker, requests keep succeeding, and Serve's replacement joins."""
-    before = set(_stats(http)["workers"])
+    before = set(router_stats(http)["workers"])
     victim, survivor = sorted(before)
     actor = ray.get_actor(f"SERVE_REPLICA::{APP}#Worker#{victim}", namespace="serve")
     bodies = [_story(i) for i in range(16)]
@@ -290,12 +279,12 @@ def test_dead_worker_is_purged_and_replaced(http):
 
     early = [gen(i) for i in range(4)]  # right after the kill: must not fail
     assert [r.status_code for r in early] == [200] * 4, [r.text for r in early]
-    _wait(lambda: victim not in _stats(http)["workers"], 60, "the router to purge the dead worker")
-    assert victim in _stats(http)["purged_workers"]
+    _wait(lambda: victim not in router_stats(http)["workers"], 60, "the router to purge the dead worker")
+    assert victim in router_stats(http)["purged_workers"]
     served = _worker_logs()
     assert all(served.get(f"after-kill-{i}") == survivor for i in range(4))
 
-    joined = _wait(lambda: set(_stats(http)["workers"]) - before, 240, "a replacement worker to join", 1.0)
+    joined = _wait(lambda: set(router_stats(http)["workers"]) - before, 240, "a replacement worker to join", 1.0)
     (newcomer,) = joined
     rs = [gen(10 + i) for i in range(4)]
     assert all(r.status_code == 200 for r in rs)

@@ -21,7 +21,7 @@ pytest.importorskip("nixl_cu13._api")
 
 from cluster.config import ClusterArgs  # noqa: E402
 from cluster_harness import abort_storm, start_serve, stop_serve, wait_for as _wait  # noqa: E402
-from conftest import PROMPTS, make_engine  # noqa: E402
+from engine_harness import PROMPTS, make_engine  # noqa: E402
 
 APP = "radixserve-pd"
 MODEL = "SmolLM2-135M-Instruct"

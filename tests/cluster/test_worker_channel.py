@@ -11,7 +11,7 @@ pytest.importorskip("ray")
 
 from cluster.ingress.backend import WorkerStream  # noqa: E402
 from cluster.workers.base import OutputChannel, WorkerItem  # noqa: E402
-from conftest import PROMPTS  # noqa: E402
+from engine_harness import PROMPTS  # noqa: E402
 
 
 def test_one_batch_per_engine_step_for_all_requests(default_engine):

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from conftest import assert_no_leak, make_engine
+from engine_harness import assert_no_leak, make_engine
 from engine import (
     InvalidConfigError,
     InvalidRequestError,

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import PROMPTS, assert_no_leak, make_engine
+from engine_harness import PROMPTS, assert_no_leak, make_engine
 
 PAGE = 4
 

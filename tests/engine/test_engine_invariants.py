@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import PROMPTS, assert_no_leak, make_engine
+from engine_harness import PROMPTS, assert_no_leak, make_engine
 from model_harness import hf_model_from_gguf
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 24}

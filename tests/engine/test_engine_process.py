@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from conftest import PROMPTS, assert_no_leak, make_engine
+from engine_harness import PROMPTS, assert_no_leak, make_engine
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.sampling_params import SamplingParams
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from conftest import assert_no_leak, make_engine
+from engine_harness import assert_no_leak, make_engine
 from engine import InvalidRequestError
 
 TINY = dict(

@@ -16,7 +16,7 @@ import gc
 import pytest
 import torch
 
-from conftest import PROMPTS, make_engine
+from engine_harness import PROMPTS, make_engine
 
 pytestmark = pytest.mark.gpu
 MAX_NEW = 32
@@ -190,7 +190,7 @@ def _overlap_run(overlap: bool, dtype: str, params):
     afterwards every KV page is free once the cache is dropped."""
     import time
 
-    from conftest import assert_no_leak
+    from engine_harness import assert_no_leak
 
     engine = make_engine(device="cuda", dtype=dtype, disable_overlap_schedule=not overlap)
     try:
@@ -301,7 +301,7 @@ def test_gpu_pdl_does_not_change_greedy_outputs(backend):
 def test_gpu_core_process_gives_the_thread_core_outputs(dtype):
     """The server's engine (core in its own process, which owns the GPU) runs the same kernels on the same
     batches as the core in a thread: identical tokens, text and finish reasons, no leaked page."""
-    from conftest import assert_no_leak
+    from engine_harness import assert_no_leak
 
     params = dict(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True)
     runs = []

@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from conftest import assert_no_leak, make_engine
+from engine_harness import assert_no_leak, make_engine
 from engine import InvalidRequestError, SamplingParams
 
 PERSON = {

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from engine.text import OutputText
-from conftest import assert_no_leak, make_engine
+from engine_harness import assert_no_leak, make_engine
 from engine.sampling_params import SamplingParams
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived"

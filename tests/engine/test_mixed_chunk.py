@@ -5,7 +5,7 @@ no page may leak."""
 
 import pytest
 
-from conftest import PROMPTS, assert_no_leak, make_engine
+from engine_harness import PROMPTS, assert_no_leak, make_engine
 from engine.core.messages import AddRequest
 from engine.sampling_params import SamplingParams
 

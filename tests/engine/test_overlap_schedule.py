@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import PROMPTS, assert_no_leak, make_engine
+from engine_harness import PROMPTS, assert_no_leak, make_engine
 from engine.core.messages import AddRequest
 from engine.outputs import FinishReason
 from engine.sampling_params import SamplingParams

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import assert_no_leak
+from engine_harness import assert_no_leak
 from serving_harness import MODEL, serve, wait_idle
 
 MAX_TOKENS, MAX_N, MAX_PROMPTS = 3, 2, 3

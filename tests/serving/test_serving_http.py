@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from conftest import assert_no_leak
+from engine_harness import assert_no_leak
 from serving_harness import MODEL, serve, wait_idle
 
 KEY = "sk-test-key"

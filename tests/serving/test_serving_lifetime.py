@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from conftest import assert_no_leak
+from engine_harness import assert_no_leak
 from serving_harness import MODEL, python_m_serving, serve, wait_idle
 
 LONG = {"max_tokens": 3000, "temperature": 0, "ignore_eos": True}

@@ -11,7 +11,7 @@ import jsonschema_rs
 import openai
 import pytest
 
-from conftest import assert_no_leak
+from engine_harness import assert_no_leak
 from serving_harness import MODEL, serve, wait_idle
 
 PROMPT = "The capital of France is"

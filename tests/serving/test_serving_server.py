@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from conftest import PROMPTS
+from engine_harness import PROMPTS
 from serving_harness import python_m_serving
 
 pytestmark = pytest.mark.slow
