@@ -34,7 +34,7 @@ from ray.exceptions import ActorDiedError
 from cluster import membership
 from cluster.router.policies import NoWorkersError, Router, RoutingDecision
 from cluster.latency import RequestTiming, percentiles
-from cluster.router.state import RouterConfig
+from cluster.router.state import RouterConfig, WorkerState
 from cluster.scaling.loop import PoolScaler
 from cluster.scaling.models import AdminError, ClusterPools, PoolStatus, ReplicaStatus, ScaleRequest
 from cluster.scaling.policy import ScalingConfig
@@ -102,6 +102,16 @@ class _Pool:
     """worker id → its last engine.stats()."""
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     """Set while the pool has at least one worker."""
+
+    # the scaler's view of the pool (cluster/scaling/loop.py ScaledPool)
+    def routed_workers(self) -> Dict[str, WorkerState]:
+        return self.router.state.workers
+
+    def engine_reports(self) -> Dict[str, Dict[str, float]]:
+        return self.engine_stats
+
+    def resync_members(self) -> None:
+        self.members_version = -1  # differs from every membership version: the next sync recomputes
 
 
 class RouterDeployment:

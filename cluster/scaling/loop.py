@@ -29,7 +29,7 @@ import collections
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Literal, Optional, Set, Tuple
+from typing import Any, Dict, List, Literal, Mapping, Optional, Protocol, Set, Tuple
 
 from cluster import membership
 from cluster.latency import LatencyWindow, RequestTiming
@@ -67,11 +67,36 @@ class _Drain:
     stats: Optional[Dict[str, float]] = None
 
 
-class PoolScaler:
-    """See the module docstring. `pools`: the router deployment's pools by name (objects with
-    `handle`, `deployment_id`, `router.state`, `engine_stats`, `members_version`)."""
+class RoutedWorker(Protocol):
+    """What the scaler reads of a worker the router routes to (the router's WorkerState)."""
 
-    def __init__(self, config: ScalingConfig, pools: Dict[str, Any], app_name: str):
+    in_flight: int
+    routed_requests: int
+
+
+class ScaledPool(Protocol):
+    """One pool as the router deployment hands it to the scaler: the pool's Serve handle and deployment id,
+    the workers the router routes to and their last engine reports (read); a request to recompute the
+    routing set, which subtracts `PoolScaler.excluded` (after a drain begins or ends)."""
+
+    handle: Any
+    """DeploymentHandle of the pool's workers (a drained replica's report() is called through it)."""
+    deployment_id: Any
+    """Serve's DeploymentID of the pool (membership.members reads its live replicas)."""
+
+    def routed_workers(self) -> Mapping[str, RoutedWorker]: ...
+
+    def engine_reports(self) -> Mapping[str, Dict[str, float]]:
+        """Worker id → its last engine stats (workers that have reported)."""
+        ...
+
+    def resync_members(self) -> None: ...
+
+
+class PoolScaler:
+    """See the module docstring. `pools`: the router deployment's pools by name."""
+
+    def __init__(self, config: ScalingConfig, pools: Dict[str, ScaledPool], app_name: str):
         self.config, self.pools, self.app = config, pools, app_name
         self.specs = {s.name: s for s in config.pools if s.name in pools}
         self.ctl = {name: PoolController(s) for name, s in self.specs.items()}
@@ -87,7 +112,7 @@ class PoolScaler:
         self._sample_at = 0.0
 
     @classmethod
-    def in_replica(cls, config: ScalingConfig, pools: Dict[str, Any]) -> "PoolScaler":
+    def in_replica(cls, config: ScalingConfig, pools: Dict[str, ScaledPool]) -> "PoolScaler":
         """The scaler of the Serve replica this runs in (its application's name from the replica context)."""
         from ray import serve
 
@@ -131,7 +156,7 @@ class PoolScaler:
 
     def _signals(self, name: str, now: float) -> PoolSignals:
         p = self.pools[name]
-        stats = [p.engine_stats.get(w, {}) for w in p.router.state.workers]
+        stats = [p.engine_reports().get(w, {}) for w in p.routed_workers()]
         m = membership.members(p.deployment_id)
         lat = self.latency[name]
         return PoolSignals(
@@ -165,7 +190,7 @@ class PoolScaler:
             None,
         )
         if victim is None:
-            routable = list(self.pools[name].router.state.workers)
+            routable = list(self.pools[name].routed_workers())
             if len(routable) <= 1:  # nothing left to route to: Serve will stop what it stops
                 await self._publish(name, current - 1)
                 return
@@ -185,12 +210,12 @@ class PoolScaler:
 
     def _exclude(self, d: _Drain) -> None:
         self.drains[d.replica_id] = d
-        self.pools[d.pool].members_version = -1  # the router re-syncs its routing set at once
+        self.pools[d.pool].resync_members()  # the router recomputes its routing set at once
         logger.info("scaler: draining %s replica %s (%s)", d.pool, d.replica_id, d.purpose)
 
     def _forget(self, d: _Drain) -> None:
         self.drains.pop(d.replica_id, None)
-        self.pools[d.pool].members_version = -1
+        self.pools[d.pool].resync_members()
 
     def _set_phase(self, d: _Drain, phase: str, now: float) -> None:
         d.phase, d.phase_since = phase, now
@@ -275,15 +300,15 @@ class PoolScaler:
     def _replicas(self, name: str) -> List[ReplicaStatus]:
         p = self.pools[name]
         serve = self.serve_view.get(self.specs[name].deployment, {}).get("replicas", {})
-        state = p.router.state
+        workers = p.routed_workers()
         m = membership.members(p.deployment_id)
         live = m.ids - m.dead
-        ids = list(dict.fromkeys(list(state.workers) + sorted(live) + sorted(serve)))
+        ids = list(dict.fromkeys(list(workers) + sorted(live) + sorted(serve)))
         out = []
         for wid in ids:
             d = self.drains.get(wid)
-            s = (d.stats if d is not None else None) or p.engine_stats.get(wid, {})
-            ws = state.workers.get(wid)
+            s = (d.stats if d is not None else None) or p.engine_reports().get(wid, {})
+            ws = workers.get(wid)
             sstate = serve.get(wid)
             if d is not None:
                 label = d.phase
@@ -313,11 +338,11 @@ class PoolScaler:
         return out
 
     def _totals(self, name: str) -> Dict[str, float]:
-        stats = list(self.pools[name].engine_stats.values())
+        stats = list(self.pools[name].engine_reports().values())
         prompt = sum(s.get("prompt_tokens", 0) for s in stats)
         cached = sum(s.get("cached_tokens", 0) for s in stats)
         return {
-            "generated": {w: s.get("generated_tokens", 0) for w, s in self.pools[name].engine_stats.items()},
+            "generated": {w: s.get("generated_tokens", 0) for w, s in self.pools[name].engine_reports().items()},
             "hit_rate": cached / prompt if prompt else 0.0,
         }
 
@@ -405,7 +430,7 @@ class PoolScaler:
     def _find(self, replica_id: str) -> str:
         for name, p in self.pools.items():
             if name in self.specs and (
-                replica_id in membership.members(p.deployment_id).ids or replica_id in p.router.state.workers
+                replica_id in membership.members(p.deployment_id).ids or replica_id in p.routed_workers()
             ):
                 return name
         raise AdminError(404, f"no live worker replica {replica_id!r}")
@@ -417,7 +442,7 @@ class PoolScaler:
             raise AdminError(409, f"the {name} pool is at its minimum size; raise it or drain without remove")
         d = self.drains.get(replica_id)
         if d is None:
-            others = [w for w in self.pools[name].router.state.workers if w != replica_id]
+            others = [w for w in self.pools[name].routed_workers() if w != replica_id]
             if not others:
                 raise AdminError(409, f"{replica_id} is the last routable replica of the {name} pool")
             now = time.monotonic()
