@@ -45,7 +45,10 @@ ratios to vLLM's figure of the same workload (throughput: ours / vLLM; latencies
 each workload a radixserve server's KV counters are read once it is idle (cluster: /router/stats,
 workers[*].engine; serving: /metrics, where only kv_cache_usage_ratio is exported, whose zero at
 idle is the same check: used = total - free - evictable; bare: engine.stats()) and `kv_no_leak`
-records free + evictable == total.
+records free + evictable == total. For the cluster, each workload's mean TTFT is also split
+(`ttft_split_ms`, from /router/stats counters read before and after it): the ingress's routing call, its
+worker call to the first message with tokens (of which the worker's own call start to first output), and
+the rest (HAProxy, HTTP, the serving layer and tokenization in the ingress).
 
 --crosscheck SERVER:WORKLOAD (e.g. vllm:random-64, a random workload) runs `vllm bench serve`
 (--vllm-bench-cmd: vLLM's CLI with VLLM_PYTHONPATH / VLLM_PYTHON, as vllm_serve.sh runs it) against
@@ -629,6 +632,13 @@ class ClusterServer(Server):
         except (OSError, subprocess.TimeoutExpired) as exc:
             return {"ray_stop": str(exc)}
 
+    def counters(self) -> Dict[str, float]:
+        """The replicas' TTFT counters (bench_cluster.replica_counters): before and after a workload, their
+        difference splits the workload's TTFT (ttft_split)."""
+        from bench_cluster import replica_counters
+
+        return replica_counters(self.base_url)
+
     def kv(self) -> Dict[str, Any]:
         stats = httpx.get(f"{self.base_url}/router/stats", timeout=10).json()
         workers = {}
@@ -665,6 +675,33 @@ def make_server(name: str, args, log_dir: str) -> Server:
     if name == "cluster":
         return ClusterServer(args, log_dir)
     raise ValueError(name)
+
+
+def _counters(server: Server) -> Optional[Dict[str, float]]:
+    """The cluster's TTFT counters now (None for other servers, or when they cannot be read)."""
+    if not isinstance(server, ClusterServer):
+        return None
+    try:
+        return server.counters()
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None
+
+
+def _ttft_split(server: "ClusterServer", before: Dict[str, float], summary: Dict[str, Any]) -> Dict[str, Any]:
+    """One workload's mean TTFT split (ms): the ingress's routing call, its worker call to the first message
+    with tokens, the worker's own call start to first output inside that, and the rest of the client's mean
+    TTFT (HAProxy, HTTP, the serving layer and tokenization in the ingress)."""
+    from bench_cluster import ttft_split
+
+    try:
+        split: Dict[str, Any] = ttft_split(before, server.counters())
+    except (httpx.HTTPError, ValueError, KeyError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    ttft = summary["ttft_ms"]["mean"]
+    split["client_ttft_mean_ms"] = ttft
+    if split["route_rpc_ms"] is not None and split["first_message_ms"] is not None:
+        split["rest_ms"] = ttft - split["route_rpc_ms"] - split["first_message_ms"]
+    return split
 
 
 def kv_when_idle(server: Server, timeout: float = 20.0) -> Dict[str, Any]:
@@ -1212,6 +1249,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             warm_up(server.base_url, args.warmup_requests)
             for w in args.workloads:
                 wargv = workload_argv(w, counts, extra)
+                before = _counters(server)
                 try:
                     s = run_workload(wargv, server.base_url, args.workload_timeout)
                 except Exception as exc:  # noqa: BLE001 - record and go on to the next workload
@@ -1225,6 +1263,10 @@ def main(argv: Optional[List[str]] = None) -> None:
                     f"events/token {s['events_per_output_token']:.2f}, failed {s['failed']}",
                     flush=True,
                 )
+                if before is not None:
+                    split = _ttft_split(server, before, s)
+                    run.setdefault("ttft_split_ms", {})[w] = split
+                    print(f"{name} {w}: TTFT mean split (ms) {json.dumps(split)}", flush=True)
                 if name in RADIXSERVE:
                     run["kv"][w] = kv_when_idle(server)
                 if (name, w) in checks:

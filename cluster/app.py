@@ -30,7 +30,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from cluster.config import ClusterArgs
+from cluster.config import ClusterArgs, default_ingress_replicas
 from engine.errors import InvalidConfigError
 from cluster.ingress.deployment import Ingress
 from cluster.router.router import RouterDeployment
@@ -60,12 +60,19 @@ def _gpus_per_worker(args) -> float:
     return 1.0 if _cluster_resources().get("GPU", 0) > 0 else 0.0
 
 
+def _ingress_replicas(args) -> int:
+    if args.ingress_replicas is not None:
+        return args.ingress_replicas
+    return default_ingress_replicas(_cluster_resources().get("CPU", 0.0))
+
+
 def _cpus_per_worker(args) -> float:
     """args.num_cpus, else 1 CPU per worker replica, or less when the Ray cluster's CPUs (minus the
     ingress's and the router's) cannot give every initial replica one."""
     if args.num_cpus is not None:
         return args.num_cpus
-    spare = _cluster_resources().get("CPU", 0.0) - args.ingress_replicas * args.ingress_num_cpus - args.router_num_cpus
+    cpus = _cluster_resources().get("CPU", 0.0)
+    spare = cpus - _ingress_replicas(args) * args.ingress_num_cpus - args.router_num_cpus
     share = spare / sum(args.pool_sizes().values())
     return max(0.05, min(1.0, int(share * 20) / 20))  # multiples of 0.05 CPU
 
@@ -132,7 +139,7 @@ def deployment(args: ClusterArgs) -> Application:
         serve.deployment(Ingress)
         .options(
             name="Ingress",
-            num_replicas=args.ingress_replicas,
+            num_replicas=_ingress_replicas(args),
             max_ongoing_requests=args.ingress_max_ongoing_requests,
             ray_actor_options={"num_cpus": args.ingress_num_cpus},
         )
@@ -145,7 +152,7 @@ def deployment(args: ClusterArgs) -> Application:
             args.max_body_bytes,
             admin_api_key=args.admin_api_key,
             request_timeout_s=args.request_timeout_s,
-            rate_limits=args.rate_limits(),
+            rate_limits=args.rate_limits(_ingress_replicas(args)),
             mode=args.mode,
             tokenizer_source=args.tokenizer,
             prefill=pools.get("prefill") if args.early_prefill else None,

@@ -74,6 +74,15 @@ _NOT_EXPOSED = {"model", "enable_cache_events", "skip_tokenizer_init", "detokeni
 makes the text) and keep their tokenizer for structured output."""
 
 
+def default_ingress_replicas(cpus: float) -> int:
+    """Ingress replicas when ClusterArgs.ingress_replicas is unset: one per 8 CPUs of the Ray cluster, 1 to 4.
+
+    One replica is one Python event loop that writes every stream's events; at 64-256 streams in flight on
+    one GPU it is CPU-bound (benchmarks/README.md, "Cluster front end"), while a 2-CPU machine has no
+    second core to give it."""
+    return max(1, min(4, int(cpus // 8)))
+
+
 class _ClusterFields(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
@@ -163,8 +172,12 @@ class _ClusterFields(BaseModel):
     num_gpus: Optional[float] = Field(
         None, ge=0.0, description="GPUs per worker replica; default: 1 when the Ray cluster has GPUs, else 0."
     )
-    ingress_replicas: int = Field(
-        1, ge=1, description="Replicas of the HTTP ingress (stateless; the router deployment holds the routing state)."
+    ingress_replicas: Optional[int] = Field(
+        None,
+        ge=1,
+        description="Replicas of the HTTP ingress (stateless; the router deployment holds the routing state). "
+        "Default: one per 8 CPUs of the Ray cluster, 1 to 4 (default_ingress_replicas): at high concurrency one "
+        "ingress replica's event loop is the bottleneck.",
     )
     ingress_num_cpus: float = Field(0.25, ge=0.0, description="CPUs reserved per ingress replica.")
     router_num_cpus: float = Field(0.1, ge=0.0, description="CPUs reserved by the router replica.")
@@ -327,12 +340,12 @@ class _Validated(_ClusterFields):
             options["core_process"] = False
         return options
 
-    def rate_limits(self) -> Any:
-        """serving.ratelimit.RateLimits that each ingress replica enforces (its share of the limits)."""
+    def rate_limits(self, ingress_replicas: int) -> Any:
+        """serving.ratelimit.RateLimits that each of `ingress_replicas` replicas enforces (its share)."""
         from serving.ratelimit import RateLimits
 
         limits = RateLimits(self.rate_limit_requests_per_minute, self.rate_limit_tokens_per_minute)
-        return limits.share(self.ingress_replicas)
+        return limits.share(ingress_replicas)
 
     def model_name(self) -> str:
         if self.served_model_name:

@@ -103,8 +103,17 @@ def test_default_worker_cpus_fit_a_small_ray_cluster(monkeypatch):
 def test_rate_limits_are_shared_between_ingress_replicas():
     from serving.ratelimit import RateLimits
 
-    assert not ClusterArgs().rate_limits().enabled  # off by default
-    args = ClusterArgs(rate_limit_requests_per_minute=100, rate_limit_tokens_per_minute=90_001, ingress_replicas=3)
-    assert args.rate_limits() == RateLimits(34, 30_001)
+    assert not ClusterArgs().rate_limits(1).enabled  # off by default
+    args = ClusterArgs(rate_limit_requests_per_minute=100, rate_limit_tokens_per_minute=90_001)
+    assert args.rate_limits(3) == RateLimits(34, 30_001)
+
+
+def test_ingress_replicas_default_to_one_per_8_cpus():
+    from cluster.config import default_ingress_replicas
+
+    assert ClusterArgs().ingress_replicas is None  # resolved from the Ray cluster's CPUs when deployed
+    assert [default_ingress_replicas(c) for c in (2, 8, 16, 31, 64, 224)] == [1, 1, 2, 3, 4, 4]
+    with pytest.raises(ValidationError, match="ingress_replicas"):
+        ClusterArgs(ingress_replicas=0)
     with pytest.raises(ValidationError, match="rate_limit_tokens_per_minute"):
         ClusterArgs(rate_limit_tokens_per_minute=0)
