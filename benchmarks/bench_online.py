@@ -1208,7 +1208,6 @@ def main(argv: Optional[List[str]] = None) -> None:
         "workload_args": extra,
         "servers": args.servers,
         "workloads": {w: workload_argv(w, counts, extra) for w in args.workloads},
-        "serve_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("RAY_SERVE_")},
         "caveat": "servers are not restarted between workloads: prefix caches persist across workloads "
         "(each workload has its own seed, so its prompts are new to the cache; this favours no server)",
     }
@@ -1242,6 +1241,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             "boot_id": hw.get("boot_id"),
         }
         runs[name] = run
+        if isinstance(server, ClusterServer):  # Serve's switches the cluster ran with (deploy/serve.sh's defaults)
+            run["serve_env"] = {k: v for k, v in sorted(server.env().items()) if k.startswith("RAY_SERVE_")}
         try:
             server.start()
             run["started_s"] = server.started_s
