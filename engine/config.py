@@ -200,6 +200,13 @@ class EngineConfig:
             f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}",
         )
 
+    @property
+    def admission_limit(self) -> Optional[int]:
+        """Requests the engine holds at most (max_running_requests + max_queued_requests); None: unbounded."""
+        if self.max_queued_requests is None:
+            return None
+        return self.max_running_requests + self.max_queued_requests
+
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
         """Build from keyword arguments; unknown keys raise InvalidConfigError."""

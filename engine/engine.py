@@ -419,11 +419,8 @@ class Engine:
         """Admission control, decided here so a refusal never waits for the core's step: the requests
         registered (submitted and not yet reported finished, so at least what the core holds) plus
         `count` may not exceed max_running_requests + max_queued_requests (None: unbounded)."""
-        queued = self.config.max_queued_requests
-        if queued is None:
-            return
-        limit = self.config.max_running_requests + queued
-        if len(self._requests) + count > limit:
+        limit = self.config.admission_limit
+        if limit is not None and len(self._requests) + count > limit:
             raise QueueFullError(f"the server is full ({limit} requests in the engine); retry later")
 
     # ---- delivery (the core's thread, or the event loop the core is attached to) ---------------

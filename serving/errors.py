@@ -86,6 +86,11 @@ def error_response(
     return JSONResponse(error_body(status, message, param, code, type), status_code=status, headers=headers)
 
 
+def queue_full(message: str) -> APIError:
+    """The 503 of a full server or pool: code queue_full, with Retry-After."""
+    return APIError(503, message, None, "queue_full", retry_after=RETRY_AFTER_S)
+
+
 def to_api_error(exc: BaseException) -> APIError:
     """Map an engine (or serving) exception to the APIError the client sees."""
     if isinstance(exc, APIError):
@@ -93,7 +98,7 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc), exc.param, "invalid_request")
     if isinstance(exc, QueueFullError):
-        return APIError(503, str(exc), None, "queue_full", retry_after=RETRY_AFTER_S)
+        return queue_full(str(exc))
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), None, "engine_unavailable")
     logger.exception("internal error", exc_info=exc)

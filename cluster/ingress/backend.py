@@ -47,7 +47,7 @@ from engine.errors import QueueFullError
 from engine.sampling_params import SamplingParams
 from engine.text import OutputText
 from serving.backend import ServingBackend
-from serving.errors import RETRY_AFTER_S, APIError
+from serving.errors import RETRY_AFTER_S, APIError, queue_full
 
 
 logger = logging.getLogger("ray.serve")
@@ -67,11 +67,6 @@ def _worker_gone(exc: BaseException) -> bool:
 def _retryable(exc: BaseException) -> bool:
     """Another worker may take it: this one is gone, or full (QueueFullError)."""
     return _worker_gone(exc) or isinstance(exc, QueueFullError)
-
-
-def queue_full(message: str) -> APIError:
-    """The 503 of a full pool (as the engine's own QueueFullError answers)."""
-    return APIError(503, message, None, "queue_full", retry_after=RETRY_AFTER_S)
 
 
 def may_continue(

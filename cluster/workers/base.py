@@ -180,12 +180,8 @@ class WorkerBase:
             events,
             stats,
             time.time(),
-            self._capacity(),
+            self.engine.config.admission_limit,
         )
-
-    def _capacity(self) -> Optional[int]:
-        cfg = self.engine.config
-        return None if cfg.max_queued_requests is None else cfg.max_running_requests + cfg.max_queued_requests
 
     async def stats(self) -> Dict[str, float]:
         return {**await self.engine.stats_async(), **self._extra_stats()}
