@@ -183,13 +183,13 @@ class DecodeBench:
             [ctx] * bs,
             runner.device,
         )
-        fb.attn_backend = runner.attn_backend
+        fb.attn_backend = runner.backend_for(fb)
 
         def once():
             if runner.graph_runner is not None and runner.graph_runner.can_run(fb):
                 logits = runner.graph_runner.replay(fb)
             else:
-                runner.attn_backend.init_forward_metadata(fb)
+                fb.attn_backend.init_forward_metadata(fb)
                 logits = runner.model.compute_logits(runner.model(fb))
             return logits.argmax(dim=-1)
 
@@ -272,7 +272,7 @@ def profile(bench: DecodeBench, bs: int, steps: int = 20) -> None:
         times = {"init_forward_metadata_replay": [], "graph_launch": []}
         for _ in range(20) if torch.is_inference_mode_enabled() else ():
             t0 = time.perf_counter()
-            bench.runner.attn_backend.init_forward_metadata_replay(fb)
+            fb.attn_backend.init_forward_metadata_replay(fb)
             t1 = time.perf_counter()
             graphs.graphs[graphs.padded_size(bs)].replay()
             t2 = time.perf_counter()
@@ -310,6 +310,12 @@ def main() -> None:
         "--gemv-max-rows", type=int, default=16, help="EngineConfig.gemv_max_rows: 1 = GEMV kernel for batch 1 only"
     )
     p.add_argument(
+        "--triton-decode-max-bs",
+        type=int,
+        default=16,
+        help="EngineConfig.triton_decode_max_bs: with FlashInfer, Triton decode attention up to this batch (0: never)",
+    )
+    p.add_argument(
         "--disable-pdl", action="store_true", help="EngineConfig.disable_pdl: no programmatic dependent launch"
     )
     p.add_argument(
@@ -342,7 +348,12 @@ def main() -> None:
     shutil.copy(args.config, os.path.join(folder, "config.json"))
     dtype_bytes = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     sizes = model_bytes(cfg, dtype_bytes)
-    options = dict(disable_gemv=args.disable_gemv, gemv_max_rows=args.gemv_max_rows, disable_pdl=args.disable_pdl)
+    options = dict(
+        disable_gemv=args.disable_gemv,
+        gemv_max_rows=args.gemv_max_rows,
+        disable_pdl=args.disable_pdl,
+        triton_decode_max_bs=args.triton_decode_max_bs,
+    )
     start = time.perf_counter()
     bench = DecodeBench(
         folder,
@@ -401,7 +412,8 @@ def main() -> None:
         tpot["fraction_of_roofline"] = tpot["roofline_ms"] / tpot["tpot_ms"]
     print(
         f"\ndecode, {os.path.basename(args.config)} dummy {args.dtype}, context {args.context_len}; "
-        f"{hw.get('gpu')}; attention {backend_name}, CUDA graphs {'on' if graphs_on else 'off'}, GEMV "
+        f"{hw.get('gpu')}; attention {backend_name} (Triton decode up to batch {args.triton_decode_max_bs}), "
+        f"CUDA graphs {'on' if graphs_on else 'off'}, GEMV "
         f"{'off' if args.disable_gemv else f'up to {args.gemv_max_rows} rows'}, "
         f"PDL {'off' if args.disable_pdl else 'on'}; copy bandwidth "
         f"{bandwidth / 1e9:.0f} GB/s"
@@ -436,6 +448,7 @@ def main() -> None:
                 **sizes,
                 copy_gb_per_s=bandwidth / 1e9,
                 attention_backend=backend_name,
+                triton_decode_max_bs=args.triton_decode_max_bs,
                 cuda_graphs=graphs_on,
                 gemv=not args.disable_gemv,
                 gemv_max_rows=0 if args.disable_gemv else args.gemv_max_rows,

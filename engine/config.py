@@ -100,6 +100,17 @@ class EngineConfig:
             )
         },
     )
+    triton_decode_max_bs: int = field(
+        default=16,
+        metadata={
+            "help": (
+                "With the FlashInfer attention backend (the bf16/fp16 default on CUDA), decode steps of up to this"
+                " many requests (the batch rounded up to a power of two, as its CUDA graph) run the Triton decode"
+                " kernels instead, which take part in the GEMV kernels' PDL chain; prefill, mixed and larger steps"
+                " stay on FlashInfer. 0: FlashInfer for every step."
+            )
+        },
+    )
     disable_pdl: bool = field(
         default=False,
         metadata={
@@ -195,6 +206,7 @@ class EngineConfig:
             f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
         )
         check(0 <= self.gemv_max_rows <= 16, f"gemv_max_rows must be in [0, 16], got {self.gemv_max_rows}")
+        check(self.triton_decode_max_bs >= 0, f"triton_decode_max_bs must be >= 0, got {self.triton_decode_max_bs}")
         check(
             self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,
             f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}",

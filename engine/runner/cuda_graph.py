@@ -6,7 +6,8 @@ more than running them. The runner captures, for every batch size in `batch_size
 smallest graph that fits a batch:
 
     replay(fb):  static[:bs] <- fb's device tensors; static[bs:padded] <- padding rows
-                 attn_backend.init_forward_metadata_replay(padded batch)   (host-side planning)
+                 backend.init_forward_metadata_replay(padded batch)        (host-side planning; the
+                                                                           backend of that graph's size)
                  graph[padded].replay()  ->  logits[:bs]                   (bs, vocab) float32
 
 Padding rows decode token 0 at position 0 of a request row reserved for padding (its req_to_token row is
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Dict, List
+from typing import Any, Callable, Dict, List
 
 import torch
 
@@ -41,13 +42,18 @@ def graph_batch_sizes(max_bs: int) -> List[int]:
 
 
 class CudaGraphRunner:
-    def __init__(self, model, attn_backend, req_to_token_pool, max_bs: int, device: torch.device):
-        if not attn_backend.supports_cuda_graph:
-            raise ValueError(f"{type(attn_backend).__name__} does not support CUDA graphs")
+    def __init__(
+        self, model, backend_for_bs: Callable[[int], Any], req_to_token_pool, max_bs: int, device: torch.device
+    ):
+        """`backend_for_bs(bs)`: the attention backend that decode steps of `bs` rows (padded) run; each
+        captured graph holds that backend's kernels (ModelRunner.decode_backend)."""
         self.model = model
-        self.attn_backend = attn_backend
         self.device = device
         self.batch_sizes = graph_batch_sizes(max_bs)
+        self.backends = {bs: backend_for_bs(bs) for bs in self.batch_sizes}
+        for backend in self.backends.values():
+            if not backend.supports_cuda_graph:
+                raise ValueError(f"{type(backend).__name__} does not support CUDA graphs")
         self.max_bs = self.batch_sizes[-1]
         self.pad_row = req_to_token_pool.alloc()  # held for the runner's lifetime; its row stays zeros
         req_to_token_pool.req_to_token[self.pad_row].zero_()
@@ -92,7 +98,7 @@ class CudaGraphRunner:
             extend_prefix_lens_cpu=[0] * bs,
             extend_seq_lens_cpu=[1] * bs,
             extend_start_loc_cpu=list(range(bs)),
-            attn_backend=self.attn_backend,
+            attn_backend=self.backends[bs],
         )
 
     def _forward(self, fb: ForwardBatch) -> torch.Tensor:
@@ -100,7 +106,7 @@ class CudaGraphRunner:
 
     def _capture(self, bs: int) -> None:
         fb = self._static_batch(bs)
-        self.attn_backend.init_forward_metadata_capture(fb)
+        fb.attn_backend.init_forward_metadata_capture(fb)
         for _ in range(2):  # compile / autotune kernels outside the capture
             self._forward(fb)
         torch.cuda.synchronize(self.device)
@@ -136,6 +142,6 @@ class CudaGraphRunner:
             self.seq_lens[bs:pbs].fill_(1)
         static = self.batches[pbs]
         static.seq_lens_cpu = list(fb.seq_lens_cpu) + [1] * (pbs - bs)
-        self.attn_backend.init_forward_metadata_replay(static)
+        static.attn_backend.init_forward_metadata_replay(static)
         self.graphs[pbs].replay()
         return self.logits[pbs][:bs]

@@ -181,17 +181,38 @@ class ModelRunner:
             raise InvalidConfigError(f"attention_backend={name!r} needs a CUDA device (got {self.device})")
         self.attn_backend_name = name
         m = self.model
-        self.attn_backend = get_backend_class(name)(
-            self.req_to_token_pool.req_to_token, self.kv_pool, m.num_heads, m.num_kv_heads, m.head_dim, m.head_dim**-0.5
-        )
+        args = (self.req_to_token_pool.req_to_token, self.kv_pool, m.num_heads, m.num_kv_heads, m.head_dim)
+        self.attn_backend = get_backend_class(name)(*args, m.head_dim**-0.5)
+        self.small_decode_backend = None
+        """The Triton backend for decode steps of up to `triton_decode_max_bs` requests when the main backend is
+        FlashInfer (see decode_backend); None: the main backend runs every step."""
+        if name == "flashinfer" and self.config.triton_decode_max_bs > 0:
+            self.small_decode_backend = get_backend_class("triton")(*args, m.head_dim**-0.5)
         self.graph_runner = None
         if self.device.type == "cuda" and not self.config.disable_cuda_graph and self.attn_backend.supports_cuda_graph:
             from engine.runner.cuda_graph import CudaGraphRunner  # noqa: PLC0415
 
             max_bs = self.config.cuda_graph_max_bs or min(self.config.max_running_requests, 256)
             self.graph_runner = CudaGraphRunner(
-                self.model, self.attn_backend, self.req_to_token_pool, max_bs, self.device
+                self.model, self.decode_backend, self.req_to_token_pool, max_bs, self.device
             )
+
+    def decode_backend(self, batch_size: int):
+        """The attention backend of a DECODE step of `batch_size` requests: the Triton backend up to
+        `triton_decode_max_bs` requests when the main backend is FlashInfer (Triton's decode kernels wait for
+        their predecessor through PDL like the GEMV kernels of such steps, so no kernel boundary of the step
+        drains the GPU), the main backend otherwise. Decided on the power of two at or above `batch_size`, the
+        CUDA graph a step of that size replays, so a step runs the same kernels with graphs on and off."""
+        padded = 1 << max(batch_size - 1, 0).bit_length()
+        if self.small_decode_backend is not None and padded <= self.config.triton_decode_max_bs:
+            return self.small_decode_backend
+        return self.attn_backend
+
+    def backend_for(self, fb) -> object:
+        """The attention backend that runs ForwardBatch `fb` (prefill and mixed steps: the main one)."""
+        if fb.forward_mode is ForwardMode.DECODE:
+            return self.decode_backend(fb.batch_size)
+        return self.attn_backend
 
     def run_batch(self, batch) -> BatchResult:
         """Forward `batch` (a prepared ScheduleBatch), sample its sampled requests, wait for the tokens."""
@@ -204,13 +225,13 @@ class ModelRunner:
         except prompt logprobs (computed on the host now). `steps`: the sampling step of each sampled
         request (default: its len(output_ids); overlap scheduling adds the token still in flight)."""
         fb = batch.forward_batch
-        fb.attn_backend = self.attn_backend
+        fb.attn_backend = self.backend_for(fb)
         reqs = batch.sampled_reqs
         if self.graph_runner is not None and self.graph_runner.can_run(fb):
             logits = self.graph_runner.replay(fb)  # DECODE: every request is sampled, no prompt logprobs
             prompt_logprobs = {}
         else:
-            self.attn_backend.init_forward_metadata(fb)
+            fb.attn_backend.init_forward_metadata(fb)
             hidden = self.model(fb)
             prompt_logprobs = self._prompt_logprobs(batch, hidden) if fb.forward_mode is ForwardMode.EXTEND else {}
             if not reqs:

@@ -58,7 +58,7 @@ def bf16_runs():
     for backend in ("flashinfer", "triton"):
         for graphs in (True, False):
             ids, name, has_graphs = _generate(
-                dtype="bfloat16", attention_backend=backend, disable_cuda_graph=not graphs
+                dtype="bfloat16", attention_backend=backend, disable_cuda_graph=not graphs, triton_decode_max_bs=0
             )
             assert name == backend and has_graphs == graphs
             runs[(backend, graphs)] = ids
@@ -116,12 +116,39 @@ def test_gpu_backends_diverge_only_at_near_ties_in_bf16(bf16_runs):
 
 
 def test_gpu_auto_backend_is_flashinfer_in_bf16():
+    """bf16 on CUDA: FlashInfer, with the Triton backend for decode steps of up to 16 requests."""
     pytest.importorskip("flashinfer")
+    from kernels.attention.triton import TritonAttnBackend
+
     engine = make_engine(device="cuda", dtype="bfloat16")
     try:
-        assert engine.runner.attn_backend_name == "flashinfer" and engine.runner.graph_runner is not None
+        runner = engine.runner
+        assert runner.attn_backend_name == "flashinfer" and runner.graph_runner is not None
+        small = runner.small_decode_backend
+        assert isinstance(small, TritonAttnBackend)
+        assert [runner.decode_backend(bs) is small for bs in (1, 9, 16, 17, 64)] == [True] * 3 + [False] * 2
+        assert all((b is small) == (bs <= 16) for bs, b in runner.graph_runner.backends.items())
     finally:
         engine.shutdown()
+
+
+def test_gpu_small_decode_steps_switch_backends_alike_with_graphs_on_and_off():
+    """FlashInfer with Triton decode for steps of up to 4 requests: requests of different lengths make the batch
+    shrink from 8 to 1, so each run switches from FlashInfer to Triton decode mid-way, at the same step with
+    CUDA graphs on and off (the choice follows the padded batch size): identical tokens."""
+    pytest.importorskip("flashinfer")
+    params = [dict(temperature=0.0, max_new_tokens=8 + 4 * i, ignore_eos=True) for i in range(len(PROMPTS))]
+    runs = []
+    for graphs in (True, False):
+        engine = make_engine(device="cuda", dtype="bfloat16", triton_decode_max_bs=4, disable_cuda_graph=not graphs)
+        try:
+            assert engine.runner.small_decode_backend is not None
+            runs.append([o.token_ids for o in engine.generate(PROMPTS, params)])
+        finally:
+            engine.shutdown()
+            gc.collect()
+            torch.cuda.empty_cache()
+    assert runs[0] == runs[1], f"first divergence per prompt: {_first_divergence(runs[0], runs[1])}"
 
 
 @pytest.mark.parametrize("graphs", [True, False])
