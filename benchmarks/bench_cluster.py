@@ -107,8 +107,8 @@ INGRESS_COUNTERS = ("route_rpc_s", "route_rpc_calls", "first_message_s", "first_
 
 def replica_counters(base_url: str) -> Dict[str, float]:
     """From /router/stats: the replicas' handoff counters (cluster.workers.handoff.HANDOFF_COUNTERS, zero in
-    unified mode) and first-output counters, summed over replicas, and the ingress's latency sums (one
-    ingress replica: this benchmark starts one)."""
+    unified mode) and first-output counters, summed over replicas, and the ingress's latency sums over every
+    ingress replica (the router's totals)."""
     from cluster.workers.handoff import HANDOFF_COUNTERS
 
     stats = httpx.get(f"{base_url}/router/stats", timeout=30).json()

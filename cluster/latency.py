@@ -31,16 +31,20 @@ class RequestTiming:
     """One finished request's latencies, as the ingress saw them."""
 
     ttft_ms: Optional[float]
-    """None when no token arrived (failed or aborted before the first)."""
+    """Worker call → first message with tokens; None when no token arrived (failed or aborted before the first)."""
     itl_ms: Optional[float]
     """Mean gap between token messages; None with fewer than two."""
     output_tokens: int = 0
+    route_ms: Optional[float] = None
+    """The routing call that chose this attempt's worker (None: not timed)."""
 
 
 class RequestClock:
-    """Ingress side: feed every message (a list of engine.StreamOutput) of one request's stream."""
+    """Ingress side: feed every message (a list of engine.StreamOutput) of one request's stream; started when
+    the worker call is made, after the routing call (`route_ms`, timed by the caller)."""
 
-    def __init__(self) -> None:
+    def __init__(self, route_ms: Optional[float] = None) -> None:
+        self.route_ms = route_ms
         self.start = time.perf_counter()
         self.first: Optional[float] = None
         self.last: Optional[float] = None
@@ -59,7 +63,7 @@ class RequestClock:
     def timing(self) -> RequestTiming:
         ttft = None if self.first is None else (self.first - self.start) * 1e3
         itl = (self.last - self.first) * 1e3 / (self.messages - 1) if self.messages > 1 else None
-        return RequestTiming(ttft, itl, self.tokens)
+        return RequestTiming(ttft, itl, self.tokens, self.route_ms)
 
 
 @dataclass
@@ -132,6 +136,23 @@ class IngressLatency:
             "first_message_ms": percentiles(self.first_message_ms),
             **self.sums,
         }
+
+
+class IngressTotals:
+    """The ingress's share of TTFT summed over every ingress replica, from the RequestTiming each request's
+    finish call brings the router (which hears all replicas): routing calls and worker call → first message.
+    Cumulative sums, so a reader takes means over any interval (two snapshots)."""
+
+    def __init__(self) -> None:
+        self.sums = {"route_rpc_s": 0.0, "route_rpc_calls": 0, "first_message_s": 0.0, "first_message_requests": 0}
+
+    def observe(self, timing: RequestTiming) -> None:
+        if timing.route_ms is not None:
+            self.sums["route_rpc_s"] += timing.route_ms / 1e3
+            self.sums["route_rpc_calls"] += 1
+        if timing.ttft_ms is not None:
+            self.sums["first_message_s"] += timing.ttft_ms / 1e3
+            self.sums["first_message_requests"] += 1
 
 
 class LatencyWindow:

@@ -228,8 +228,9 @@ class ClusterBackend(ServingBackend):
     def vocab_size(self) -> int:
         return self._vocab_size
 
-    async def _ask_router(self, make_call: Callable[[], Any], finish: Callable[[Any], None]) -> Any:
-        """Await the routing call `make_call()` (bounded); its time goes to self.latency; no worker → HTTP 503.
+    async def _ask_router(self, make_call: Callable[[], Any], finish: Callable[[Any], None]) -> Tuple[Any, float]:
+        """Await the routing call `make_call()` (bounded): (decision, the call's milliseconds, also recorded in
+        self.latency); no worker → HTTP 503.
 
         The router counts the request in flight as soon as it decides. If this caller gives up first
         (client disconnect: cancelled; or the bound ran out), the decision may still come: `finish(decision)`
@@ -251,8 +252,9 @@ class ClusterBackend(ServingBackend):
             if isinstance(exc, PoolFullError):
                 raise queue_full(f"the cluster is full: {exc}; retry later") from None
             raise exc
-        self.latency.on_route((time.perf_counter() - start) * 1e3)
-        return decision
+        route_ms = (time.perf_counter() - start) * 1e3
+        self.latency.on_route(route_ms)
+        return decision, route_ms
 
     def stream_from(self, worker_id: str, workers: Any = None) -> WorkerStream:
         """This replica's stream from `worker_id` (opened on first use)."""
@@ -288,14 +290,14 @@ class ClusterBackend(ServingBackend):
         """Workers that answered queue_full: not asked again for this request."""
         for attempt in range(1, MAX_ROUTE_ATTEMPTS + 1):
             ids, attempt_params = continuation.attempt()
-            decision = await self._ask_router(
+            decision, route_ms = await self._ask_router(
                 lambda: self.router.route.remote(ids, rid, exclude=tuple(refused)),
                 lambda late: self._finish(late.worker_id),
             )
             self.pool_capacity = decision.pool_capacity
             worker_id = decision.worker_id
             progress = RequestProgress(params.n)
-            clock = RequestClock()  # the worker call → first message (the routing call is timed apart)
+            clock = RequestClock(route_ms)  # the worker call → first message
             queue = self._open(worker_id, rid)
             self._on_failure(
                 self.workers.options(session_id=worker_id).submit.remote(

@@ -91,7 +91,7 @@ class Ingress:
         async def router_stats() -> Dict[str, Any]:
             s = await backend.cluster_stats()
             out = s.model_dump()
-            out["ingress"] = {"replica": replica_id, **backend.latency.snapshot()}
+            out["ingress_replica"] = {"replica": replica_id, **backend.latency.snapshot()}
             return out
 
         return app

@@ -61,12 +61,12 @@ class DisaggregatedBackend(ClusterBackend):
         """Decode replicas that answered queue_full: not asked again for this request."""
         for attempt in range(1, MAX_ROUTE_ATTEMPTS + 1):
             ids, attempt_params = continuation.attempt()
-            pair = await self._ask_router(
+            pair, route_ms = await self._ask_router(
                 lambda: self.router.route_pair.remote(ids, rid, exclude_decode=tuple(refused)),
                 lambda late: self._finish_pair(late, RequestClock()),
             )
             self.pool_capacity = pair.decode.pool_capacity
-            progress, clock = RequestProgress(params.n), RequestClock()
+            progress, clock = RequestProgress(params.n), RequestClock(route_ms)
             decode_id = pair.decode.worker_id
             early_key = self._start_prefill(ids, attempt_params, rid, pair.prefill.worker_id, attempt)
             queue = self._open(decode_id, rid)

@@ -5,7 +5,7 @@ mode, `prefill` and `decode` in disaggregated mode.
 
     ingress ──route(input_ids, rid)──────▶ the unified pool's Router ──▶ RoutingDecision
     ingress ──route_pair(input_ids, rid)─▶ prefill Router + decode Router ──▶ PairDecision
-    ingress ──finish(worker_id, pool, timing)─▶ in-flight -= 1; TTFT / ITL to the scaler
+    ingress ──finish(worker_id, pool, timing)─▶ in-flight -= 1; TTFT / ITL to the scaler; ingress totals
     control loop, every report_interval_s, for each pool:
         membership  ◀── cluster.membership.members(): the worker replica set this process's handle
                         hears from the Serve controller (joiners start empty, leavers are purged)
@@ -33,7 +33,7 @@ from ray.exceptions import ActorDiedError
 
 from cluster import membership
 from cluster.router.policies import NoWorkersError, Router, RoutingDecision
-from cluster.latency import RequestTiming, percentiles
+from cluster.latency import IngressTotals, RequestTiming, percentiles
 from cluster.router.state import RouterConfig, WorkerState
 from cluster.scaling.loop import PoolScaler
 from cluster.scaling.models import AdminError, ClusterPools, PoolStatus, ReplicaStatus, ScaleRequest
@@ -86,6 +86,12 @@ class ClusterStats(BaseModel):
     )
     membership_changes: int
     purged_workers: List[str] = Field(description="Recently purged worker replica ids (newest last).")
+    ingress: Dict[str, float] = Field(
+        default_factory=dict,
+        description="Sums over every ingress replica's requests (cluster.latency.IngressTotals): route_rpc_s / "
+        "route_rpc_calls (routing calls) and first_message_s / first_message_requests (worker call → first "
+        "message); two snapshots give the means of an interval.",
+    )
 
 
 @dataclass
@@ -135,6 +141,7 @@ class RouterDeployment:
         self._decisions: "collections.OrderedDict[str, str]" = collections.OrderedDict()
         self._purged: collections.deque = collections.deque(maxlen=64)
         self._membership_changes = 0
+        self._ingress = IngressTotals()
         self.scaler = PoolScaler.in_replica(scaling, self.pools) if scaling is not None else None
         self._loop_task = asyncio.get_running_loop().create_task(self._control_loop())
 
@@ -181,10 +188,14 @@ class RouterDeployment:
             membership.mark_dead(p.deployment_id, worker_id)
 
     def finish(self, worker_id: str, pool: str = "unified", timing: Optional[RequestTiming] = None) -> None:
-        """The request left `worker_id`; `timing` (the ingress's TTFT / ITL) feeds the pool scaler."""
+        """The request left `worker_id`; `timing` (the ingress's TTFT / ITL) feeds the pool scaler, and the
+        ingress totals once per request (the unified or prefill pool's finish: a disaggregated request
+        finishes on both pools with the same timing)."""
         p = self.pools.get(pool)
         if p is not None:
             p.router.finish(worker_id)
+        if timing is not None and pool != "decode":
+            self._ingress.observe(timing)
         if self.scaler is not None:
             self.scaler.observe(pool, timing)
 
@@ -247,6 +258,7 @@ class RouterDeployment:
             route_latency_ms=percentiles(self._latency_ms),
             membership_changes=self._membership_changes,
             purged_workers=list(self._purged),
+            ingress=dict(self._ingress.sums),
         )
 
     def _pool(self, name: str) -> _Pool:

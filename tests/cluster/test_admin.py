@@ -178,7 +178,7 @@ def test_scale_up_drain_and_remove_while_requests_flow(pools_cluster, http):
     assert running_ids(one) == [original] and one["target_replicas"] == 1
     # the other deployments were not redeployed: same ingress replica, the router's counters go on
     stats_after = http.get("/router/stats", headers=ADMIN).json()
-    assert stats_after["ingress"]["replica"] == stats_before["ingress"]["replica"]
+    assert stats_after["ingress_replica"]["replica"] == stats_before["ingress_replica"]["replica"]
     assert stats_after["routed_requests"] > stats_before["routed_requests"]
 
 
