@@ -146,6 +146,8 @@ WORKLOADS: Dict[str, List[str]] = {
         "64",
         "--output-len",
         "128",
+        "--history",  # every server is sent the same conversations (dummy weights answer differently)
+        "dataset",
     ],
 }
 WARMUP_SEED = 1000

@@ -23,7 +23,10 @@ Datasets (fixed seeds; prompts are words drawn from a fixed vocabulary, ~1 token
   shared-prefix  --num-groups system prompts of --system-prompt-len words, each followed by
                  --prompts-per-group questions of --question-len words (chat); shuffled
   multi-turn     --num-conversations chats of --num-turns turns; each turn sends the whole
-                 conversation so far (earlier answers included) plus a new --question-len question
+                 conversation so far (earlier answers included) plus a new --question-len question;
+                 --history generated: the earlier answers are the server's own text; dataset: a fixed
+                 --output-len-word answer per turn, so that servers whose outputs differ (dummy
+                 weights) are sent the same prompts
 
 Load: --request-rate R (Poisson arrivals, requests/s; inf = all at once) and/or
 --max-concurrency C (at most C requests in flight). Multi-turn conversations run concurrently;
@@ -76,6 +79,9 @@ class Turn:
     messages: Optional[List[Dict[str, str]]] = None
     question: Optional[str] = None
     """multi-turn: this turn's user message; the conversation so far is prepended at send time."""
+    answer: Optional[str] = None
+    """multi-turn with --history dataset: the assistant message that follows this turn in the history (None:
+    the server's answer)."""
 
 
 def _text(rng: random.Random, n: int) -> str:
@@ -106,8 +112,12 @@ def make_workload(args) -> List[List[Turn]]:
         rng.shuffle(sessions)
         return sessions
     if args.dataset == "multi-turn":
+        fixed = args.history == "dataset"
         return [
-            [Turn(question=_text(rng, args.question_len)) for _ in range(args.num_turns)]
+            [
+                Turn(question=_text(rng, args.question_len), answer=_text(rng, args.output_len) if fixed else None)
+                for _ in range(args.num_turns)
+            ]
             for _ in range(args.num_conversations)
         ]
     raise ValueError(f"unknown dataset {args.dataset!r}")
@@ -233,7 +243,7 @@ async def run_load(args, sessions: List[List[Turn]]) -> tuple:
                 if turn.question is not None:
                     history = history + [
                         {"role": "user", "content": turn.question},
-                        {"role": "assistant", "content": res.text},
+                        {"role": "assistant", "content": res.text if turn.answer is None else turn.answer},
                     ]
 
         tasks = []
@@ -394,6 +404,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--question-len", type=int, default=16, help="shared-prefix / multi-turn: question words.")
     p.add_argument("--num-conversations", type=int, default=8, help="multi-turn: conversations.")
     p.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per conversation.")
+    p.add_argument(
+        "--history",
+        choices=["generated", "dataset"],
+        default="generated",
+        help="multi-turn: earlier answers in the history are the server's text, or fixed dataset text.",
+    )
     p.add_argument("--output-len", type=int, default=32, help="max_tokens of every request.")
     p.add_argument(
         "--ignore-eos",

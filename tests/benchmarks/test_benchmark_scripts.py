@@ -216,3 +216,30 @@ def test_bench_online_ratios_and_table_from_fabricated_summaries():
         "--output-len",
         "8",
     ]
+
+
+def test_multi_turn_history_from_the_dataset_is_the_same_for_every_server():
+    """--history dataset: each turn's answer in the history is fixed text (output-len words) drawn from the seed,
+    so two servers whose answers differ are sent the same conversations; --history generated leaves it to
+    the server's answer (None)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import argparse
+
+    import bench_serving
+
+    def workload(history):
+        args = argparse.Namespace(
+            dataset="multi-turn",
+            seed=3,
+            num_conversations=3,
+            num_turns=2,
+            question_len=5,
+            output_len=7,
+            history=history,
+        )
+        return bench_serving.make_workload(args)
+
+    fixed = workload("dataset")
+    assert fixed == workload("dataset")
+    assert all(len(t.answer.split()) == 7 for s in fixed for t in s)
+    assert all(t.answer is None for s in workload("generated") for t in s)
