@@ -102,7 +102,7 @@ FIRST_OUTPUT_COUNTERS = ("first_output_s", "first_output_requests")
 
 
 INGRESS_COUNTERS = ("route_rpc_s", "route_rpc_calls", "first_message_s", "first_message_requests")
-"""cluster.latency.IngressLatency's sums: the routing call, and the worker call → first message with tokens."""
+"""cluster.ingress.latency.IngressLatency's sums: the routing call, and the worker call → first message with tokens."""
 
 
 def replica_counters(base_url: str) -> Dict[str, float]:

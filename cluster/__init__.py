@@ -16,7 +16,8 @@ The folders follow the replicas; each module's code runs in one kind of replica:
     kv_transfer/        moving KV pages between replicas (NIXL, NCCL), used by prefill and decode
     rpc.py, pinning.py, membership.py, latency.py
                         what the roles share: Serve call helpers, pinned request routing, the
-                        replica set, latency windows
+                        replica set, the RequestTiming an ingress sends the router (the ingress's
+                        clocks are in ingress/latency.py, the router's windows and sums in latency.py)
 
 Data flow (unified mode):
 

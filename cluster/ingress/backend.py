@@ -38,7 +38,7 @@ from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Tuple
 
 from ray.exceptions import ActorUnavailableError
 
-from cluster.latency import IngressLatency, RequestClock
+from cluster.ingress.latency import IngressLatency, RequestClock
 from cluster.router.policies import NoWorkersError
 from cluster.rpc import STREAM_OPTIONS, awaited, detached, is_dead, unwrap
 from cluster.workers.base import WorkerItem, WrongReplicaError
@@ -64,11 +64,6 @@ def _worker_gone(exc: BaseException) -> bool:
     return is_dead(exc) or isinstance(exc, WrongReplicaError)
 
 
-def _retryable(exc: BaseException) -> bool:
-    """Another worker may take it: this one is gone, or full (QueueFullError)."""
-    return _worker_gone(exc) or isinstance(exc, QueueFullError)
-
-
 def may_continue(
     cause: BaseException,
     progress: "RequestProgress",
@@ -82,16 +77,6 @@ def may_continue(
     if attempt >= MAX_ROUTE_ATTEMPTS or not retryable(cause):
         return False
     return not progress.streamed or continuation.resumable
-
-
-def _log_continue(rid: str, worker_id: str, continuation: "Continuation") -> None:
-    if continuation.generated:
-        logger.warning(
-            "request %s: worker %s left after %d tokens; continuing on another worker",
-            rid,
-            worker_id,
-            len(continuation.generated),
-        )
 
 
 class WorkerStream:
@@ -283,47 +268,89 @@ class ClusterBackend(ServingBackend):
             self.held -= 1
 
     async def _attempts(self, input_ids: List[int], params: Any, rid: str) -> AsyncIterator[Any]:
-        """Route, submit, stream; again on another worker when one refuses (full) or leaves."""
+        """Route, submit, stream; again elsewhere when a worker refuses (full), fails or leaves: one skeleton
+        for both modes, whose steps (`_route`, `_submit`, `_end_attempt`, ...) each mode defines."""
+        params = self._prepare(params)
         text = OutputText(self.tokenizer, input_ids, params)  # before routing: nothing to finish if it raises
         continuation = Continuation(input_ids, params)
         refused: List[str] = []
-        """Workers that answered queue_full: not asked again for this request."""
+        """Workers (decode replicas) that answered queue_full: not asked again for this request."""
         for attempt in range(1, MAX_ROUTE_ATTEMPTS + 1):
             ids, attempt_params = continuation.attempt()
-            decision, route_ms = await self._ask_router(
-                lambda: self.router.route.remote(ids, rid, exclude=tuple(refused)),
-                lambda late: self._finish(late.worker_id),
+            placement, route_ms = await self._ask_router(
+                lambda: self._route(ids, rid, tuple(refused)), lambda late: self._release(late, RequestClock())
             )
-            self.pool_capacity = decision.pool_capacity
-            worker_id = decision.worker_id
+            worker_id = self._streaming_worker(placement)
             progress = RequestProgress(params.n)
             clock = RequestClock(route_ms)  # the worker call → first message
             queue = self._open(worker_id, rid)
-            self._on_failure(
-                self.workers.options(session_id=worker_id).submit.remote(
-                    ids, attempt_params, rid, self.ingress_id, worker_id
-                ),
-                rid,
-                queue,
-            )
+            started = self._submit(placement, ids, attempt_params, rid, attempt, queue)
             try:
                 async for out in self._outputs(queue, text, worker_id, rid, params.n, clock, progress, continuation):
                     yield out
                 return
-            except Exception as exc:  # noqa: BLE001 - a worker that left or is full: route again
+            except Exception as exc:  # noqa: BLE001 - a worker that left, failed or is full: route again
                 cause = unwrap(exc)
-                if not may_continue(cause, progress, continuation, attempt, _retryable):
+                retry = may_continue(cause, progress, continuation, attempt, self._retryable)
+                await self._report_failure(placement, cause)
+                if not retry:
                     raise cause from None
                 if isinstance(cause, QueueFullError):
                     refused.append(worker_id)
                     logger.debug("request %s: worker %s is full; routing it again", rid, worker_id)
-                else:
-                    await self._report_dead(worker_id)
-                    _log_continue(rid, worker_id, continuation)
+                    continue
+                logger.warning(
+                    "request %s: attempt %d on %s failed after %d tokens (%r); going on elsewhere",
+                    rid,
+                    attempt,
+                    worker_id,
+                    len(continuation.generated),
+                    cause,
+                )
             finally:
                 self._close(worker_id, rid, progress)
                 self.latency.on_request(clock)
-                self._finish(worker_id, timing=clock.timing())
+                self._end_attempt(placement, clock, progress, started)
+
+    # --- the steps of one attempt in unified mode (DisaggregatedBackend defines its own) -----------------
+
+    def _retryable(self, cause: BaseException) -> bool:
+        """Whether another worker may take a failed attempt (may_continue decides with the progress): this
+        one is gone, or full (QueueFullError)."""
+        return _worker_gone(cause) or isinstance(cause, QueueFullError)
+
+    def _prepare(self, params: SamplingParams) -> SamplingParams:
+        """The request's params for every attempt."""
+        return params
+
+    def _route(self, ids: List[int], rid: str, refused: Tuple[str, ...]) -> Any:
+        """The routing call: a RoutingDecision, not one of `refused` (they answered queue_full)."""
+        return self.router.route.remote(ids, rid, exclude=refused)
+
+    def _streaming_worker(self, placement: Any) -> str:
+        """The worker whose stream carries the attempt's outputs; records the pool's capacity."""
+        self.pool_capacity = placement.pool_capacity
+        return placement.worker_id
+
+    def _submit(self, placement: Any, ids: List[int], params: Any, rid: str, attempt: int, queue: Any) -> Any:
+        """Start the attempt on its worker (not awaited; a submit that raises fails `queue`); returns what
+        `_end_attempt` needs."""
+        worker_id = placement.worker_id
+        call = self.workers.options(session_id=worker_id).submit.remote(ids, params, rid, self.ingress_id, worker_id)
+        self._on_failure(call, rid, queue)
+        return None
+
+    async def _report_failure(self, placement: Any, cause: BaseException) -> None:
+        """Tell the router of a worker that is gone, so that the next routing avoids it."""
+        if _worker_gone(cause):
+            await self._report_dead(placement.worker_id)
+
+    def _release(self, placement: Any, clock: RequestClock) -> None:
+        """The attempt's worker no longer holds it (Router.finish, with the ingress's timing)."""
+        self._finish(placement.worker_id, timing=clock.timing())
+
+    def _end_attempt(self, placement: Any, clock: RequestClock, progress: "RequestProgress", started: Any) -> None:
+        self._release(placement, clock)
 
     def _open(self, worker_id: str, rid: str) -> "asyncio.Queue[WorkerItem]":
         """The queue of request `rid`'s items on this replica's stream from `worker_id`."""

@@ -26,22 +26,17 @@ import dataclasses
 import logging
 import random
 import uuid
-from typing import Any, AsyncIterator, List
+from typing import Any, List, Tuple
 
-from cluster.ingress.backend import MAX_ROUTE_ATTEMPTS, ClusterBackend, Continuation, RequestProgress, may_continue
-from cluster.latency import RequestClock
-from cluster.rpc import is_dead, unwrap
+from cluster.ingress.backend import ClusterBackend, RequestProgress
+from cluster.ingress.latency import RequestClock
+from cluster.rpc import is_dead
 from cluster.workers.base import WrongReplicaError
 from cluster.workers.handoff import PrefillFailedError
 from engine.errors import QueueFullError
-from engine.text import OutputText
+from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
-
-
-def _retryable(cause: BaseException) -> bool:
-    """A failure that another pair may not meet: a replica died, left or is full, or the prefill failed."""
-    return isinstance(cause, (PrefillFailedError, WrongReplicaError, QueueFullError)) or is_dead(cause)
 
 
 class DisaggregatedBackend(ClusterBackend):
@@ -52,61 +47,45 @@ class DisaggregatedBackend(ClusterBackend):
         super().__init__(*args, **kwargs)
         self.prefill_pool = prefill
 
-    async def _attempts(self, input_ids: List[int], params: Any, rid: str) -> AsyncIterator[Any]:
+    # --- the steps of one attempt (ClusterBackend._attempts) ---------------------------------------------
+
+    def _retryable(self, cause: BaseException) -> bool:
+        """A failure that another pair may not meet: a replica died, left or is full, or the prefill failed."""
+        return isinstance(cause, (PrefillFailedError, WrongReplicaError, QueueFullError)) or is_dead(cause)
+
+    def _prepare(self, params: SamplingParams) -> SamplingParams:
         if self.prefill_pool is not None and params.seed is None:  # both replicas must sample alike
-            params = dataclasses.replace(params, seed=random.getrandbits(62))
-        text = OutputText(self.tokenizer, input_ids, params)
-        continuation = Continuation(input_ids, params)
-        refused: List[str] = []
-        """Decode replicas that answered queue_full: not asked again for this request."""
-        for attempt in range(1, MAX_ROUTE_ATTEMPTS + 1):
-            ids, attempt_params = continuation.attempt()
-            pair, route_ms = await self._ask_router(
-                lambda: self.router.route_pair.remote(ids, rid, exclude_decode=tuple(refused)),
-                lambda late: self._finish_pair(late, RequestClock()),
-            )
-            self.pool_capacity = pair.decode.pool_capacity
-            progress, clock = RequestProgress(params.n), RequestClock(route_ms)
-            decode_id = pair.decode.worker_id
-            early_key = self._start_prefill(ids, attempt_params, rid, pair.prefill.worker_id, attempt)
-            queue = self._open(decode_id, rid)
-            self._on_failure(
-                self.workers.options(session_id=decode_id).submit_disaggregated.remote(
-                    ids, attempt_params, rid, pair.prefill.worker_id, early_key, self.ingress_id, decode_id
-                ),
-                rid,
-                queue,
-            )
-            try:
-                async for out in self._outputs(queue, text, decode_id, rid, params.n, clock, progress, continuation):
-                    yield out
-                return
-            except Exception as exc:  # noqa: BLE001 - a pair that failed: a new pair, continuing the stream
-                cause = unwrap(exc)
-                retry = may_continue(cause, progress, continuation, attempt, _retryable)
-                await self._report_failure(pair, cause)
-                if not retry:
-                    raise cause from None
-                if isinstance(cause, QueueFullError):
-                    refused.append(decode_id)
-                    continue
-                logger.warning(
-                    "request %s: attempt %d failed after %d tokens (%r); going on with a new pair",
-                    rid,
-                    attempt,
-                    len(continuation.generated),
-                    cause,
-                )
-            finally:
-                self._close(decode_id, rid, progress)
-                self.latency.on_request(clock)
-                self._finish_pair(pair, clock)
-                if early_key and not progress.streamed:  # claimed already if a token came; else drop it now
-                    self._send(
-                        lambda: self.prefill_pool.options(session_id=pair.prefill.worker_id).forget_prefill.remote(
-                            early_key
-                        )
-                    )
+            return dataclasses.replace(params, seed=random.getrandbits(62))
+        return params
+
+    def _route(self, ids: List[int], rid: str, refused: Tuple[str, ...]) -> Any:
+        return self.router.route_pair.remote(ids, rid, exclude_decode=refused)
+
+    def _streaming_worker(self, placement: Any) -> str:
+        self.pool_capacity = placement.decode.pool_capacity
+        return placement.decode.worker_id
+
+    def _submit(self, placement: Any, ids: List[int], params: Any, rid: str, attempt: int, queue: Any) -> str:
+        """Start the prompt on the prefill replica (early_prefill) and the request on the decode replica;
+        returns the early-prefill key ("" without)."""
+        prefill_id, decode_id = placement.prefill.worker_id, placement.decode.worker_id
+        early_key = self._start_prefill(ids, params, rid, prefill_id, attempt)
+        call = self.workers.options(session_id=decode_id).submit_disaggregated.remote(
+            ids, params, rid, prefill_id, early_key, self.ingress_id, decode_id
+        )
+        self._on_failure(call, rid, queue)
+        return early_key
+
+    def _release(self, placement: Any, clock: RequestClock) -> None:
+        timing = clock.timing()  # TTFT concerns the prefill pool, ITL the decode pool: both get both
+        for worker_id, pool in ((placement.prefill.worker_id, "prefill"), (placement.decode.worker_id, "decode")):
+            self._send(lambda: self.router.finish.remote(worker_id, pool=pool, timing=timing))
+
+    def _end_attempt(self, placement: Any, clock: RequestClock, progress: RequestProgress, started: Any) -> None:
+        self._release(placement, clock)
+        if started and not progress.streamed:  # the early prefill was claimed if a token came; else drop it
+            prefill_id = placement.prefill.worker_id
+            self._send(lambda: self.prefill_pool.options(session_id=prefill_id).forget_prefill.remote(started))
 
     def _start_prefill(self, input_ids: List[int], params: Any, rid: str, prefill_id: str, attempt: int) -> str:
         """Start the prompt on its prefill replica (not awaited); returns the key its decode replica's
@@ -133,8 +112,3 @@ class DisaggregatedBackend(ClusterBackend):
                 await asyncio.wait_for(self.router.report_dead.remote(worker_id, pool), 10)
             except Exception:  # noqa: BLE001 - the router's own polling purges it too
                 logger.debug("report_dead(%s) failed", worker_id, exc_info=True)
-
-    def _finish_pair(self, pair: Any, clock: RequestClock) -> None:
-        timing = clock.timing()  # TTFT concerns the prefill pool, ITL the decode pool: both get both
-        for worker_id, pool in ((pair.prefill.worker_id, "prefill"), (pair.decode.worker_id, "decode")):
-            self._send(lambda: self.router.finish.remote(worker_id, pool=pool, timing=timing))

@@ -7,7 +7,8 @@ import pytest
 from pydantic import ValidationError
 
 from cluster.config import ClusterArgs
-from cluster.latency import BUCKETS_S, LatencyWindow, RequestClock
+from cluster.ingress.latency import RequestClock
+from cluster.latency import BUCKETS_S, LatencyWindow
 from cluster.scaling.models import ScaleRequest
 from cluster.scaling.policy import PoolController, PoolSignals, PoolSpec, p90, scaling_config
 
