@@ -5,7 +5,7 @@ documents) of 512-1536 tokens; each request is a prefix plus a fresh suffix, or,
 probability --followup, an earlier request plus a new turn (multi-turn chat); prompts are
 capped at --max-prompt tokens (about 2k). Every policy routes the same requests over
 --workers workers whose trees are capped at --tree-tokens: a warm-up fills the trees, then
-each `Router.route` (choose + on_routed: match every tree, insert into one) is timed. The
+each `PoolRouter.route` (choose + on_routed: match every tree, insert into one) is timed. The
 baseline is round_robin in the same run. A second table times one ApproximateTree:
 match + insert of a prompt on a full tree.
 
@@ -25,7 +25,7 @@ from typing import Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cluster.router import ApproximateTree, Router, RouterConfig  # noqa: E402
+from cluster.router import ApproximateTree, PoolRouter, RouterConfig  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -69,7 +69,7 @@ def percentiles(samples_ns: List[int]) -> Dict[str, float]:
 
 def bench_policy(name: str, prompts: List[List[int]], args) -> Dict:
     config = RouterConfig(max_tree_tokens=args.tree_tokens)
-    router = Router(name, config, random.Random(args.seed))
+    router = PoolRouter(name, config, random.Random(args.seed))
     router.state.sync_members([f"worker-{i}" for i in range(args.workers)])
     in_flight: List[str] = []
     samples, reasons, matched, total = [], {}, 0, 0

@@ -3,14 +3,14 @@ Python without Ray; router.py wraps it in the Serve deployment (import it explic
 
 Data flow and owners:
 
-    ingress ── input_ids ──▶ Router.route (policies.py)
+    ingress ── input_ids ──▶ PoolRouter.route (policies.py)
                                │ RoutingPolicy.choose(input_ids, ClusterState) → RoutingDecision
                                │ (a full worker, by in-flight vs its reported capacity, is not chosen;
                                │  every worker full → PoolFullError, the ingress's 503 queue_full)
                                │ ClusterState.on_routed: in-flight += 1, prompt → worker's tree
                                ▼
                              the chosen worker runs the request; on completion or abort the
-                             router deployment calls Router.finish / ClusterState.on_finished
+                             router deployment calls PoolRouter.finish / ClusterState.on_finished
     workers ── reports ──▶ ClusterState.on_report (state.py): queue length, KV usage, and the
                              CacheEvents drained from the worker's RadixCache, replayed onto
                              its ApproximateTree (tree.py) so the approximation is corrected
@@ -26,7 +26,7 @@ thread-safe: the router deployment's event loop owns all of it.
 from cluster.router.policies import (
     NoWorkersError,
     PoolFullError,  # noqa: F401
-    Router,
+    PoolRouter,
     RoutingDecision,
     RoutingPolicy,  # noqa: F401
     available_policies,

@@ -1,10 +1,10 @@
-"""Routing policies: a small abstract base, a registry by name, and the `Router` façade.
+"""Routing policies: a small abstract base, a registry by name, and the `PoolRouter` façade.
 
 A policy's `choose(input_ids, state)` only decides; it never writes the state
 (beyond its own counter or random generator). The caller records the choice with
 `state.on_routed(worker, input_ids)`, which inserts the prompt into the chosen
 worker's approximate tree — for every policy, so cache statistics stay comparable.
-`Router.route` does both in one call.
+`PoolRouter.route` does both in one call.
 
     cache_aware   SGLang's algorithm (see CacheAwarePolicy)
     round_robin   workers in join order, in turn
@@ -183,8 +183,9 @@ def _score(digest: bytes, worker_id: WorkerId) -> bytes:
     return hashlib.blake2b(str(worker_id).encode(), digest_size=8, key=digest).digest()
 
 
-class Router:
-    """One policy over one ClusterState, both built from the same RouterConfig."""
+class PoolRouter:
+    """The routing of one worker pool: one policy over one ClusterState, both built from the same RouterConfig
+    (the Serve deployment, RouterDeployment in router.py, holds one per pool)."""
 
     def __init__(
         self,

@@ -1,10 +1,10 @@
 """RouterDeployment: the single-replica Serve deployment that owns routing state.
 
-One Router (policy + ClusterState of approximate trees) per worker pool: `unified` in unified
+One PoolRouter (policy + ClusterState of approximate trees) per worker pool: `unified` in unified
 mode, `prefill` and `decode` in disaggregated mode.
 
-    ingress ──route(input_ids, rid)──────▶ the unified pool's Router ──▶ RoutingDecision
-    ingress ──route_pair(input_ids, rid)─▶ prefill Router + decode Router ──▶ PairDecision
+    ingress ──route(input_ids, rid)──────▶ the unified pool's PoolRouter ──▶ RoutingDecision
+    ingress ──route_pair(input_ids, rid)─▶ prefill + decode PoolRouter ──▶ PairDecision
     ingress ──finish(worker_id, pool, timing)─▶ in-flight -= 1; TTFT / ITL to the scaler; ingress totals
     control loop, every report_interval_s, for each pool:
         membership  ◀── cluster.membership.members(): the worker replica set this process's handle
@@ -32,7 +32,7 @@ from pydantic import BaseModel, Field
 from ray.exceptions import ActorDiedError
 
 from cluster import membership
-from cluster.router.policies import NoWorkersError, Router, RoutingDecision
+from cluster.router.policies import NoWorkersError, PoolRouter, RoutingDecision
 from cluster.latency import IngressTotals, RequestTiming, percentiles
 from cluster.router.state import RouterConfig, WorkerState
 from cluster.scaling.loop import PoolScaler
@@ -101,7 +101,7 @@ class _Pool:
     name: str
     handle: Any
     """DeploymentHandle of the pool's Serve deployment (calls pinned by session_id)."""
-    router: Router
+    router: PoolRouter
     deployment_id: Any
     members_version: int = -1
     engine_stats: Dict[str, Dict[str, float]] = field(default_factory=dict)
@@ -135,7 +135,9 @@ class RouterDeployment:
         self.report_interval_s = report_interval_s
         self.pools: Dict[str, _Pool] = {}
         for name, handle in pools.items():
-            self.pools[name] = _Pool(name, handle, Router(policy, RouterConfig(**router_config)), handle.deployment_id)
+            self.pools[name] = _Pool(
+                name, handle, PoolRouter(policy, RouterConfig(**router_config)), handle.deployment_id
+            )
             handle._init()  # start hearing the pool's replica set now (pinning → membership)
         self._latency_ms: collections.deque = collections.deque(maxlen=4096)
         self._decisions: "collections.OrderedDict[str, str]" = collections.OrderedDict()

@@ -13,7 +13,7 @@ from cluster.router import (
     ClusterState,
     NoWorkersError,
     PoolFullError,
-    Router,
+    PoolRouter,
     RouterConfig,
     available_policies,
     make_policy,
@@ -350,7 +350,7 @@ def test_imbalance_needs_both_thresholds():
 
 
 def test_router_route_inserts_and_finishes():
-    router = Router("cache_aware", RouterConfig(), random.Random(0))
+    router = PoolRouter("cache_aware", RouterConfig(), random.Random(0))
     router.state.sync_members(["w0", "w1"])
     prompt = list(range(200))
     first = router.route(prompt)
@@ -367,7 +367,7 @@ def test_router_route_inserts_and_finishes():
 def test_full_workers_are_skipped_then_the_pool_is_full(policy):
     """A worker whose in_flight reached its reported capacity is not chosen; when every worker is full
     (or excluded: it refused the request) route() raises PoolFullError and records nothing."""
-    router = Router(policy, RouterConfig(), random.Random(0))
+    router = PoolRouter(policy, RouterConfig(), random.Random(0))
     router.state.sync_members(["w0", "w1"])
     assert router.route([1, 2, 3]).pool_capacity is None  # no report yet: unbounded, never full
     for w, cap in (("w0", 2), ("w1", 3)):
@@ -391,7 +391,7 @@ def test_full_workers_are_skipped_then_the_pool_is_full(policy):
 
 
 def test_excluded_worker_is_replaced_by_least_loaded_with_room():
-    router = Router("cache_aware", RouterConfig(), random.Random(0))
+    router = PoolRouter("cache_aware", RouterConfig(), random.Random(0))
     router.state.sync_members(["w0", "w1", "w2"])
     prompt = list(range(100))
     first = router.route(prompt)
@@ -399,14 +399,14 @@ def test_excluded_worker_is_replaced_by_least_loaded_with_room():
     again = router.route(prompt, exclude=[first.worker_id])
     assert again.reason == "room" and again.worker_id not in (first.worker_id,)
     assert router.state.load(again.worker_id) == 1  # the idle one of the two left
-    unchecked = Router("round_robin", RouterConfig())
+    unchecked = PoolRouter("round_robin", RouterConfig())
     unchecked.state.sync_members(["w0"])
     unchecked.state.on_report("w0", 0, 0.0, capacity=0)
     assert unchecked.route([1], check_room=False).worker_id == "w0"  # prefill pool: room not checked
     with pytest.raises(PoolFullError):
         unchecked.route([1])
     with pytest.raises(NoWorkersError):
-        Router("random").route([1], exclude=["w0"])  # empty pool: no_workers, not full
+        PoolRouter("random").route([1], exclude=["w0"])  # empty pool: no_workers, not full
 
 
 def test_round_robin_cycles_and_follows_membership():
