@@ -4,7 +4,7 @@
                                                 their copy to pinned host memory is queued behind them
     LaunchedBatch.resolve()  ─▶ BatchResult     waits for that copy (the GPU→CPU sync), host lists
 
-Between the two the device may run more work: overlap scheduling (engine/scheduler/overlap.py) launches
+Between the two the device may run more work: overlap scheduling (engine/scheduler/loops.py) launches
 the next batch, whose decode inputs read `LaunchedBatch.next_token_ids` on the device, before resolving
 this one. On the CPU the copies are plain tensors and `resolve` does not wait.
 """

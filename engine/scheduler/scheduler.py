@@ -14,9 +14,12 @@ under load do not stall the running batch; the step's token budget
 decode step cannot get KV pages, requests are retracted (their computed KV goes
 to the radix cache, they return to the waiting queue and resume later with
 unchanged output). The scheduler is single-threaded: the Engine calls `step()`
-from its loop thread and feeds requests and aborts through its own queue. Unless
-`disable_overlap_schedule`, `step()` is OverlapLoop.step (overlap.py): the same
-stages, with batch N+1 launched before batch N's results are processed.
+from its loop thread and feeds requests and aborts through its own queue.
+
+This class owns the queues and the stages of a step (process_aborts,
+reserve_imports, next_batch, commit_forward, process_tokens); loops.py runs them:
+SerialLoop one batch after the other, OverlapLoop (the default) with batch N+1
+launched before batch N's results are processed.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from engine.request import Req
 from engine.scheduler.decode import retract_for_decode
 from engine.scheduler.handoff import HandoffState
 from engine.scheduler.output import OutputProcessor
-from engine.scheduler.overlap import OverlapLoop
+from engine.scheduler.loops import OverlapLoop, SerialLoop
 from engine.scheduler.policy import LPM_MAX_QUEUE, InBatchPrefixIndex, order_waiting_queue
 from engine.scheduler.prefill import PrefillAdder
 from engine.scheduler.schedule_batch import ScheduleBatch
@@ -62,8 +65,8 @@ class Scheduler:
         )
         self.handoff = HandoffState(kv, self.output, self.counters, config.new_token_ratio)
         """Disaggregation: requests importing or exporting their prompt's KV (never in waiting/running)."""
-        self.overlap = None if config.disable_overlap_schedule else OverlapLoop(self)
-        """Overlap scheduling (overlap.py): launches batch N+1 before processing batch N's results."""
+        self.loop = SerialLoop(self) if config.disable_overlap_schedule else OverlapLoop(self)
+        """What runs the stages (loops.py): OverlapLoop launches batch N+1 before processing batch N's results."""
 
     # ---- inputs --------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -99,11 +102,7 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(
-            self.waiting
-            or self.running
-            or self.chunked_req
-            or self.handoff.importing
-            or (self.overlap is not None and self.overlap.inflight is not None)
+            self.waiting or self.running or self.chunked_req or self.handoff.importing or self.loop.inflight is not None
         )
 
     def _all_reqs(self) -> List[Req]:
@@ -112,23 +111,23 @@ class Scheduler:
             + self.running
             + ([self.chunked_req] if self.chunked_req else [])
             + self.handoff.reqs()
-            + (self.overlap.detached() if self.overlap is not None else [])
+            + self.loop.detached()
         )
 
     # ---- the loop ----------------------------------------------------------------------
     def step(self) -> bool:
-        """Run one batch. Returns False when there was nothing to do."""
-        if self.overlap is not None:
-            return self.overlap.step()
-        self.process_aborts()
-        reserved = bool(self.handoff.importing) and self.handoff.reserve_imports(self.running)
-        batch = self._get_new_prefill_batch() or self._get_decode_batch()
-        if batch is None:
-            return reserved
-        batch.prepare(self.kv, self.runner.device)
-        result = self.runner.run_batch(batch)
-        self._process_batch_result(batch, result)
-        return True
+        """Run one step of the loop (one batch). Returns False when there was nothing to do."""
+        return self.loop.step()
+
+    # ---- the stages of a step (run by loops.py) ------------------------------------------
+    def reserve_imports(self) -> bool:
+        """Disaggregation, decode side: reserve pages for prompts being imported. True when it did any."""
+        return bool(self.handoff.importing) and self.handoff.reserve_imports(self.running)
+
+    def next_batch(self) -> Optional[ScheduleBatch]:
+        """The next batch: a prefill (mixed, with `enable_mixed_chunk`) when waiting requests fit, else a
+        decode of the running requests; None when there is nothing to run."""
+        return self._get_new_prefill_batch() or self._get_decode_batch()
 
     def process_aborts(self) -> None:
         """End every request marked for abort: out of its queue, its pages freed, its caller told."""
@@ -217,15 +216,11 @@ class Scheduler:
             req.extend_len = 1
         return ScheduleBatch(ForwardMode.DECODE, decoding)
 
-    def _process_batch_result(self, batch: ScheduleBatch, result) -> None:
-        self._commit_forward(batch)
-        self._process_tokens(batch, result)
-
-    def _commit_forward(self, batch: ScheduleBatch) -> None:
+    def commit_forward(self, batch: ScheduleBatch) -> None:
         """What a launched forward changes, whatever tokens it samples: the computed positions, the
         chunked request's prefix shared through the cache, and prefilled requests joining the running
         batch (except exports and those certain to finish with this token). Overlap scheduling calls it
-        at launch, before the tokens are known; one that then finishes leaves in `_process_tokens`."""
+        at launch, before the tokens are known; one that then finishes leaves in `process_tokens`."""
         for req in batch.reqs:
             req.kv_len += req.extend_len
             req.extend_len = 0
@@ -237,7 +232,7 @@ class Scheduler:
                     self.kv.cache_unfinished(req)
                     self.running.append(req)
 
-    def _process_tokens(self, batch: ScheduleBatch, result) -> None:
+    def process_tokens(self, batch: ScheduleBatch, result) -> None:
         """Append the sampled tokens, finish, release and stream. A request already finished (overlap:
         it ended or was aborted while this batch ran) gets nothing: its extra token is dropped."""
         self.counters["prefill_steps" if batch.mode is ForwardMode.EXTEND else "decode_steps"] += 1

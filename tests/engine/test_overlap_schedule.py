@@ -1,4 +1,4 @@
-"""Overlap scheduling (engine/scheduler/overlap.py) on the default model, CPU float32.
+"""Overlap scheduling (engine/scheduler/loops.py, OverlapLoop) on the default model, CPU float32.
 
 The same workloads run on an engine with overlap scheduling (the default) and one with
 `disable_overlap_schedule=True`; every observable result must be the same: tokens, text, finish
@@ -205,7 +205,7 @@ def test_next_batch_is_launched_before_the_previous_is_processed(engines):
 
     def record(engine):
         events, runner, scheduler = [], engine.runner, engine.scheduler
-        launch, process = runner.launch_batch, scheduler._process_tokens
+        launch, process = runner.launch_batch, scheduler.process_tokens
 
         def traced_launch(batch, *args):
             events.append(("L", id(batch), [r.seq_len - r.kv_len for r in batch.reqs]))
@@ -218,14 +218,14 @@ def test_next_batch_is_launched_before_the_previous_is_processed(engines):
         engine._call(
             lambda: (
                 setattr(runner, "launch_batch", traced_launch),
-                setattr(scheduler, "_process_tokens", traced_process),
+                setattr(scheduler, "process_tokens", traced_process),
             )
         )
         try:
             out = engine.generate(PROMPTS[0], dict(temperature=0.0, max_new_tokens=6, ignore_eos=True))
             wait_idle(engine)  # the extra step's batch has been processed too
         finally:
-            engine._call(lambda: (vars(runner).pop("launch_batch"), vars(scheduler).pop("_process_tokens")))
+            engine._call(lambda: (vars(runner).pop("launch_batch"), vars(scheduler).pop("process_tokens")))
         return out.token_ids, events
 
     (ids_on, on), (ids_off, off) = both(engines, record)
@@ -255,7 +255,7 @@ def test_abort_reaches_a_request_only_in_flight(engines, handoff):
         req.on_output = outputs.append
         scheduler.add_request(req)
         assert scheduler.step()  # its prefill is launched, not processed
-        detached = scheduler.overlap.detached()
+        detached = scheduler.loop.detached()
         scheduler.abort("solo")
         while scheduler.step():
             pass
@@ -278,7 +278,7 @@ def test_future_map_feeds_in_flight_tokens_on_the_device():
     from engine.forward_batch import ForwardBatch, ForwardMode
     from engine.request import Req
     from engine.sampling_params import SamplingParams
-    from engine.scheduler.overlap import FutureMap, needs_sync
+    from engine.scheduler.loops import FutureMap, needs_sync
 
     def req(**params):
         return Req("r", [1, 2], SamplingParams(**params), 0, frozenset(), lambda out: None)

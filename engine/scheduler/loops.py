@@ -1,4 +1,10 @@
-"""Overlap scheduling: the CPU plans and launches batch N+1 while the device still runs batch N.
+"""The scheduler's two loops, side by side: each runs the same stages of a Scheduler (scheduler.py),
+
+    process_aborts → reserve_imports → next_batch → prepare → run → commit_forward → process_tokens
+
+in a different order. `SerialLoop` finishes each batch before planning the next
+(EngineConfig.disable_overlap_schedule). `OverlapLoop` (the default) is overlap scheduling: the CPU plans
+and launches batch N+1 while the device still runs batch N.
 
 One step of the overlap loop (one thread; on CUDA the launch is asynchronous, so the device works
 while the CPU goes on):
@@ -9,7 +15,7 @@ while the CPU goes on):
 
 Invariant — what batch N+1 may depend on while N is unresolved:
   - N's KV bookkeeping, which does not depend on its tokens: positions computed (`kv_len`), the chunked
-    request's prefix in the cache, prefilled requests in the running batch (`Scheduler._commit_forward`,
+    request's prefix in the cache, prefilled requests in the running batch (`Scheduler.commit_forward`,
     applied when N is launched);
   - N's sampled tokens only as device tensors: a decode input (FutureMap) and the sampling step
     (len(output_ids) + 1 for a request with a token in flight, so seeded sampling draws as without overlap).
@@ -92,8 +98,35 @@ class InFlight:
     """Some request needs its token before the next batch is planned (see `needs_sync`)."""
 
 
+class SerialLoop:
+    """One batch at a time: planned, run, its results processed before the next is planned."""
+
+    inflight: Optional[InFlight] = None
+    """Never a batch in flight between steps."""
+
+    def __init__(self, scheduler: "Scheduler"):
+        self.s = scheduler
+
+    def detached(self) -> List[Req]:
+        return []
+
+    def step(self) -> bool:
+        """Run one batch. False when there was nothing to do."""
+        s = self.s
+        s.process_aborts()
+        reserved = s.reserve_imports()
+        batch = s.next_batch()
+        if batch is None:
+            return reserved
+        batch.prepare(s.kv, s.runner.device)
+        result = s.runner.run_batch(batch)
+        s.commit_forward(batch)
+        s.process_tokens(batch, result)
+        return True
+
+
 class OverlapLoop:
-    """Runs the scheduler's steps with one batch in flight (Scheduler.step delegates here)."""
+    """The scheduler's stages with one batch in flight (overlap scheduling, see the module's docstring)."""
 
     def __init__(self, scheduler: "Scheduler"):
         self.s = scheduler
@@ -108,13 +141,13 @@ class OverlapLoop:
         s = self.s
         synced = self.inflight is not None and self.inflight.sync and self._process_inflight()
         s.process_aborts()
-        reserved = bool(s.handoff.importing) and s.handoff.reserve_imports(s.running)
-        batch = s._get_new_prefill_batch() or s._get_decode_batch()
+        reserved = s.reserve_imports()
+        batch = s.next_batch()
         if batch is None:  # nothing to overlap with: finish the batch in flight now
             return self._process_inflight() or reserved or synced
         previous, self.inflight = self.inflight, self._launch(batch)
         if previous is not None:
-            s._process_tokens(previous.batch, previous.launched.resolve())
+            s.process_tokens(previous.batch, previous.launched.resolve())
         return True
 
     def _launch(self, batch: ScheduleBatch) -> InFlight:
@@ -129,7 +162,7 @@ class OverlapLoop:
                 raise RuntimeError("a prefill planned for a request whose token is in flight (scheduler bug)")
         steps = [len(r.output_ids) + (futures is not None and futures.has(r)) for r in batch.sampled_reqs]
         launched = s.runner.launch_batch(batch, steps)
-        s._commit_forward(batch)
+        s.commit_forward(batch)
         detached = []
         if batch.mode is ForwardMode.EXTEND:
             running = set(map(id, s.running))
@@ -142,5 +175,5 @@ class OverlapLoop:
         inflight, self.inflight = self.inflight, None
         if inflight is None:
             return False
-        self.s._process_tokens(inflight.batch, inflight.launched.resolve())
+        self.s.process_tokens(inflight.batch, inflight.launched.resolve())
         return True
