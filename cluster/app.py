@@ -55,9 +55,10 @@ def _cluster_resources() -> dict:
 
 
 def _gpus_per_worker(args) -> float:
+    """args.num_gpus, else one GPU per tensor-parallel rank when the Ray cluster has GPUs, else none."""
     if args.num_gpus is not None:
         return args.num_gpus
-    return 1.0 if _cluster_resources().get("GPU", 0) > 0 else 0.0
+    return float(args.tensor_parallel_size) if _cluster_resources().get("GPU", 0) > 0 else 0.0
 
 
 def _ingress_replicas(args) -> int:

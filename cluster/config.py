@@ -170,7 +170,10 @@ class _ClusterFields(BaseModel):
         "on a small machine).",
     )
     num_gpus: Optional[float] = Field(
-        None, ge=0.0, description="GPUs per worker replica; default: 1 when the Ray cluster has GPUs, else 0."
+        None,
+        ge=0.0,
+        description="GPUs per worker replica; default: tensor_parallel_size (one per rank) when the Ray cluster "
+        "has GPUs, else 0.",
     )
     ingress_replicas: Optional[int] = Field(
         None,
@@ -301,6 +304,11 @@ class _Validated(_ClusterFields):
             raise ValueError(
                 "core_process is not supported with mode=disaggregated yet: the KV transfer "
                 "registers the engine's KV pool from the worker's own process"
+            )
+        if self.mode == "disaggregated" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "tensor_parallel_size > 1 is not supported with mode=disaggregated yet: the KV transfer moves "
+                "the pages of one process's KV pool, which holds rank 0's heads only"
             )
         if self.admin_api_key is not None and self.admin_api_key == self.api_key:
             raise ValueError("admin_api_key must differ from api_key")

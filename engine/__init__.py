@@ -9,7 +9,8 @@ Data flow and owners:
                                   decode with retraction (decode.py), outputs (output.py)
            ├─ KVCacheManager (memory/kv_cache_manager.py)  who owns which KV slot:
            │     ReqToTokenPool (request → slots), TokenToKVPoolAllocator (free pages), RadixCache (shared prefixes)
-           └─ ModelRunner (runner/)  weights (models/), KVPool, attention backend (kernels/), Sampler
+           └─ ModelRunner (runner/)  weights (models/), KVPool, attention backend (kernels/), Sampler;
+                                     with tensor parallelism, rank 0 of a group (parallel/)
 
 Public API: `from engine import Engine, SamplingParams`.
 """
@@ -23,6 +24,7 @@ from engine.errors import (
     OutOfMemoryError,
     PromptTooLongError,
     QueueFullError,
+    TensorParallelError,
     UnsupportedModelError,
 )
 from engine.sampling_params import SamplingParams  # noqa: F401

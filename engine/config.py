@@ -162,6 +162,15 @@ class EngineConfig:
             "help": "Record radix-cache insert/evict events for a router (drain them with Engine.drain_cache_events)."
         },
     )
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": (
+                "Ranks one replica's model is split over (one process and one device each: cuda:N+rank, or the"
+                " CPU over gloo), by attention head, MLP column and vocabulary row; 1: no tensor parallelism."
+            )
+        },
+    )
     random_seed: int = field(default=0, metadata={"help": "Seed for dummy weights and unseeded sampling."})
     new_token_ratio: float = field(
         default=0.4, metadata={"help": "Share of max_new_tokens reserved when admitting a request."}
@@ -207,6 +216,7 @@ class EngineConfig:
         )
         check(0 <= self.gemv_max_rows <= 16, f"gemv_max_rows must be in [0, 16], got {self.gemv_max_rows}")
         check(self.triton_decode_max_bs >= 0, f"triton_decode_max_bs must be >= 0, got {self.triton_decode_max_bs}")
+        check(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         check(
             self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,
             f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}",

@@ -45,5 +45,9 @@ class EngineDeadError(EngineError, RuntimeError):
     """The engine loop stopped (shutdown or a fatal error)."""
 
 
+class TensorParallelError(EngineDeadError):
+    """A tensor-parallel rank died or a collective between the ranks failed: the engine stops."""
+
+
 class EngineAbortedError(EngineError, RuntimeError):
     """The request was aborted (by the caller or the engine) before it produced its result."""

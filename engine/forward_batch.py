@@ -7,6 +7,13 @@ prefix or earlier chunks); this forward writes positions
 [extend_prefix_lens[i], seq_lens[i]) at `out_cache_loc`.
 
 DECODE is the special case of one new token per request (T == batch_size).
+
+`packed` is the one host int64 tensor a batch is built from (copied to the device in one go), laid out
+
+    [input_ids (T), positions (T), req_pool_indices (bs), seq_lens (bs), extend_prefix_lens (bs),
+     extend_seq_lens (bs), extend_start_loc (bs), out_cache_loc (T)]
+
+Tensor-parallel ranks rebuild rank 0's batch from it (`from_packed`, engine.parallel.step).
 """
 
 from __future__ import annotations
@@ -51,6 +58,9 @@ class ForwardBatch:
     extend_start_loc_cpu: List[int]
     attn_backend: Optional[object] = None
     """kernels.attention.base.AttentionBackend set by the ModelRunner; layers call attn_backend.forward."""
+    packed: Optional[torch.Tensor] = None
+    """Host int64, the layout of the module docstring (None when out_cache_loc came on the device). Its
+    input ids are those planned: overlap scheduling may replace `input_ids` on the device afterwards."""
 
     @property
     def num_tokens(self) -> int:
@@ -105,4 +115,39 @@ class ForwardBatch:
             extend_prefix_lens_cpu=list(prefix_lens),
             extend_seq_lens_cpu=extend_lens,
             extend_start_loc_cpu=starts,
+            packed=host if loc_on_host else None,
+        )
+
+    @classmethod
+    def from_packed(
+        cls,
+        mode: ForwardMode,
+        packed: torch.Tensor,
+        batch_size: int,
+        device: torch.device,
+        input_ids: Optional[torch.Tensor] = None,
+    ) -> "ForwardBatch":
+        """The batch whose `packed` tensor this is (host int64, out_cache_loc included), on `device`;
+        `input_ids` (device, (T,)) replaces the packed ones when given."""
+        bs = batch_size
+        tokens = (packed.numel() - 5 * bs) // 3
+        sizes = [tokens, tokens, bs, bs, bs, bs, bs, tokens]
+        host = packed.split(sizes)
+        fields = to_device(packed, device).split(sizes)
+        return cls(
+            forward_mode=mode,
+            batch_size=bs,
+            input_ids=fields[0] if input_ids is None else input_ids,
+            positions=fields[1],
+            out_cache_loc=fields[7],
+            req_pool_indices=fields[2],
+            seq_lens=fields[3],
+            extend_prefix_lens=fields[4],
+            extend_seq_lens=fields[5],
+            extend_start_loc=fields[6],
+            seq_lens_cpu=host[3].tolist(),
+            extend_prefix_lens_cpu=host[4].tolist(),
+            extend_seq_lens_cpu=host[5].tolist(),
+            extend_start_loc_cpu=host[6].tolist(),
+            packed=packed,
         )

@@ -64,13 +64,17 @@ class EngineCore:
         """`tokenizer`: engine.tokenizer.Tokenizer for grammars (None: structured output is refused)."""
         self.config = config
         self.runner = ModelRunner(config, source)
-        if tokenizer is not None and len(tokenizer.hf) > self.runner.vocab_size:
-            raise InvalidConfigError(
-                f"the tokenizer has {len(tokenizer.hf)} tokens, more than the model's "
-                f"vocabulary ({self.runner.vocab_size}): give a matching `tokenizer`"
-            )
-        self._init_tokens(tokenizer)
-        self._init_scheduler()
+        try:
+            if tokenizer is not None and len(tokenizer.hf) > self.runner.vocab_size:
+                raise InvalidConfigError(
+                    f"the tokenizer has {len(tokenizer.hf)} tokens, more than the model's "
+                    f"vocabulary ({self.runner.vocab_size}): give a matching `tokenizer`"
+                )
+            self._init_tokens(tokenizer)
+            self._init_scheduler()
+        except BaseException:
+            self.runner.close()  # tensor parallelism: the other ranks must not outlive a failed start
+            raise
         self._outputs: List[ReqOutput] = []
         self._compiling: List[_Compiling] = []
         self._compile_pool: Optional[ThreadPoolExecutor] = None
@@ -173,6 +177,13 @@ class EngineCore:
 
     def _add(self, msg: AddRequest) -> None:
         reqs = self._make_group(msg)
+        if msg.handoff is not None and self.config.tensor_parallel_size > 1:
+            # A handoff moves KV pages of this process's pool, which holds rank 0's heads only.
+            self._fail(
+                reqs,
+                InvalidRequestError("disaggregated prefill/decode is not supported with tensor_parallel_size > 1"),
+            )
+            return
         if grammar_key(msg.params) is None:
             self._enqueue(reqs)
             return
@@ -276,5 +287,7 @@ class EngineCore:
         return self.take_outputs()
 
     def close(self) -> None:
+        """Stop the grammar workers and, with tensor parallelism, the other ranks."""
         if self._compile_pool is not None:
             self._compile_pool.shutdown(wait=False, cancel_futures=True)
+        self.runner.close()

@@ -61,3 +61,34 @@ class ReqToTokenPool:
     def read(self, row: int, length: int) -> torch.Tensor:
         """(length,) int64, host — slots of positions [0, length) of `row`."""
         return self.host[row, :length].to(torch.int64)
+
+
+class RecordingReqToTokenPool(ReqToTokenPool):
+    """Rank 0's table when tensor-parallel: every write is also recorded, so that the other ranks, which keep
+    copies of the table for their attention kernels, replay it before running the step that reads it."""
+
+    def __init__(self, size: int, max_context_len: int, device: torch.device):
+        super().__init__(size, max_context_len, device)
+        self._edits: List[torch.Tensor] = []
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        super().write(row, start, slots)
+        n = slots.numel()
+        cols = torch.arange(start, start + n, dtype=torch.int64)
+        self._edits.append(torch.stack([torch.full((n,), row, dtype=torch.int64), cols, slots.to(torch.int64)]))
+
+    def write_positions(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> None:
+        super().write_positions(rows, cols, slots)
+        self._edits.append(torch.stack([rows, cols, slots]).to(torch.int64))
+
+    def take_edits(self) -> torch.Tensor:
+        """(3, E) int64, host — rows, columns and slots written since the last call, one entry per cell (its
+        last value), for `write_positions` on another copy of the table."""
+        if not self._edits:
+            return torch.empty((3, 0), dtype=torch.int64)
+        edits = torch.cat(self._edits, dim=1)
+        self._edits = []
+        cells, inverse = torch.unique(edits[0] * self.max_context_len + edits[1], return_inverse=True)
+        order = torch.arange(edits.shape[1], dtype=torch.int64)
+        last = torch.full((cells.numel(),), -1, dtype=torch.int64).scatter_reduce_(0, inverse, order, "amax")
+        return edits[:, last]

@@ -7,6 +7,12 @@ load_model(source, config, format, ...)      build on meta, materialize on `devi
                    converted once per machine by transformers' GGUF loader; HF names, q/k un-permuted)
     "dummy":       seeded random weights with the real shapes; no weight file is read
     "auto":        "gguf" for a GGUF source, else "safetensors"
+
+A tensor-parallel rank (`tp`) builds only its shard and reads only its slice of each checkpoint tensor
+(safetensors slices: the rest of the file is never read); a GGUF model's converted folder is read the same
+way. Its dummy weights are the TP=1 dummy weights, sliced: each full parameter is drawn in turn, with the
+same generator in the same order as TP=1 does, and this rank keeps its slice, so the shards of N ranks
+put together equal the TP=1 weights.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import contextlib
 import glob
 import json
 import os
-from typing import Iterator, List, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -25,6 +31,7 @@ from engine.errors import ModelNotFoundError, UnsupportedModelError
 from engine.models.gguf_folder import converted_folder
 from engine.models.registry import get_model_class
 from engine.models.source import ModelSource
+from engine.parallel.shard import TensorParallel
 
 _FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
@@ -49,22 +56,27 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     seed: int = 0,
+    tp: Optional[TensorParallel] = None,
 ) -> nn.Module:
-    """Build the model for `config` directly on `device` in `dtype`, fill its weights; eval mode, no grad."""
+    """Build the model for `config` directly on `device` in `dtype`, fill its weights; eval mode, no grad.
+    With `tp`: this rank's shard only (see the module docstring)."""
     fmt = _resolve_format(source, load_format)
     model_cls = get_model_class(config)
     device = torch.device(device)
     with torch.device("meta"), _default_dtype(dtype):
-        model = model_cls(config)
+        model = model_cls(config) if tp is None else model_cls(config, tp=tp)
     model = model.to_empty(device=device)  # allocates once, on the target device, uninitialized
     model.eval().requires_grad_(False)
+    lazy = tp is not None
     with torch.no_grad():
-        if fmt == "dummy":
+        if fmt == "dummy" and tp is None:
             _init_dummy(model, config, seed)
+        elif fmt == "dummy":
+            model.load_weights(_dummy_checkpoint(model_cls, config, dtype, device, seed))
         elif fmt == "gguf":
-            model.load_weights(_iter_safetensors(converted_folder(source)))
+            model.load_weights(_iter_safetensors(converted_folder(source), lazy))
         else:
-            model.load_weights(_iter_safetensors(source.folder))
+            model.load_weights(_iter_safetensors(source.folder, lazy))
     return model
 
 
@@ -107,14 +119,25 @@ def safetensors_files(folder: str) -> List[str]:
     return files
 
 
-def _iter_safetensors(folder: str) -> Iterator[Tuple[str, torch.Tensor]]:
-    """(HF name, CPU tensor) for every tensor of every shard, one tensor in memory at a time."""
+def _iter_safetensors(folder: str, lazy: bool = False) -> Iterator[Tuple[str, Any]]:
+    """(HF name, CPU tensor) for every tensor of every shard, one tensor in memory at a time. `lazy`: a
+    safetensors slice instead, valid until the next item, from which the consumer reads what it needs."""
     from safetensors import safe_open
 
     for path in safetensors_files(folder):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, (f.get_slice(name) if lazy else f.get_tensor(name))
+
+
+def _fill_dummy(name: str, param: torch.Tensor, std: float, gen: torch.Generator) -> None:
+    """One parameter's seeded random value: N(0, std) for matrices, zero for biases, one for norms."""
+    if name.endswith(".bias"):
+        param.zero_()
+    elif param.dim() == 1:  # RMSNorm weights
+        param.fill_(1.0)
+    else:
+        param.normal_(0.0, std, generator=gen)
 
 
 def _init_dummy(model: nn.Module, config: PretrainedConfig, seed: int) -> None:
@@ -123,9 +146,20 @@ def _init_dummy(model: nn.Module, config: PretrainedConfig, seed: int) -> None:
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
-        if name.endswith(".bias"):
-            param.zero_()
-        elif param.dim() == 1:  # RMSNorm weights
-            param.fill_(1.0)
-        else:
-            param.normal_(0.0, std, generator=gen)
+        _fill_dummy(name, param, std, gen)
+
+
+def _dummy_checkpoint(
+    model_cls: type, config: PretrainedConfig, dtype: torch.dtype, device: torch.device, seed: int
+) -> Iterator[Tuple[str, torch.Tensor]]:
+    """The TP=1 dummy weights as HF-named tensors: each parameter of the unsharded model (built on the meta
+    device: no memory) drawn in turn on `device`, as `_init_dummy` draws it, one parameter in memory at a
+    time."""
+    with torch.device("meta"), _default_dtype(dtype):
+        full = model_cls(config)
+    std = float(getattr(config, "initializer_range", 0.02))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, param in full.named_parameters():
+        value = torch.empty(param.shape, dtype=param.dtype, device=device)
+        _fill_dummy(name, value, std, gen)
+        yield from full.checkpoint_tensors(name, value)

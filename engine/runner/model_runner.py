@@ -9,12 +9,18 @@ device memory left after the weights, an activation estimate and the share that
 `mem_fraction_static` keeps free), the ReqToTokenPool rows and the page allocator.
 On CUDA, DECODE batches replay captured CUDA graphs (engine/runner/cuda_graph.py)
 unless `disable_cuda_graph`.
+
+Tensor parallelism (`tensor_parallel_size` N > 1, engine.parallel): the engine core's runner is rank 0. It
+starts ranks 1..N-1 (engine/runner/follower.py: a ModelRunner each, built with their TPGroup) and, before
+each forward, broadcasts the step (engine.parallel.step) so that every rank runs it on its shard. Only rank
+0 samples, from the all-gathered logits; its scheduler and KV allocator are the only ones, and every rank's
+KV pool has the same slots. The ranks agree on the pool's size (the smallest any rank can hold).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import torch
 
@@ -23,14 +29,18 @@ from engine.errors import InvalidConfigError, OutOfMemoryError
 from engine.memory.allocator import TokenToKVPoolAllocator
 from engine.memory.kv_pool import KVPool
 from engine.forward_batch import ForwardMode
-from engine.memory.req_to_token import ReqToTokenPool
+from engine.memory.req_to_token import RecordingReqToTokenPool, ReqToTokenPool
 from engine.models.layers import set_gemv
 from engine.models.loader import load_config, load_model
 from engine.models.source import ModelSource
 from engine.outputs import TokenLogprob
+from engine.parallel.shard import check_heads
 from engine.runner.batch_result import BatchResult, LaunchedBatch
 from engine.runner.sampler import Sampler, SamplingBatchInfo
 from kernels.attention.base import get_backend_class
+
+if TYPE_CHECKING:  # pragma: no cover
+    from engine.parallel.group import TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +49,12 @@ logger = logging.getLogger(__name__)
 GPU_FIXED_RESERVE = 1 << 30
 # Rows of the request table beyond max_running_requests (for chunked / retracting requests).
 EXTRA_REQ_ROWS = 8
+FOLLOWER_MODULE = "engine.runner.follower"
+"""What ranks 1..N-1 run (`python -m`)."""
 
 
-def _resolve_device(name: str) -> torch.device:
+def resolve_device(name: str) -> torch.device:
+    """EngineConfig.device as a torch.device ('auto': cuda when available, else cpu)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
@@ -57,18 +70,47 @@ def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, source: ModelSource):
+    def __init__(self, config: EngineConfig, source: ModelSource, tp: Optional["TPGroup"] = None):
+        """`tp`: the TPGroup of a follower rank (engine/runner/follower.py). Rank 0 passes None and, when
+        config.tensor_parallel_size > 1, starts the other ranks here."""
         self.config = config
         self.source = source
-        self.device = _resolve_device(config.device)
+        self.device = resolve_device(config.device)
         self.dtype = _resolve_dtype(config.dtype, self.device)
+        self.tp = tp
+        self.model_config = load_config(self.source)
+        try:
+            if tp is None and config.tensor_parallel_size > 1:
+                self.tp = self._start_tensor_parallel()
+            if self.tp is None:
+                self._init_device_state()
+            else:  # a rank that dies while the others start: TensorParallelError naming it
+                self.device = self.tp.device
+                with self.tp.guard():
+                    self._init_device_state()
+        except BaseException:
+            self.close()
+            raise
+        self.sampler = Sampler()
+
+    def _init_device_state(self) -> None:
         self._init_model()
         self._init_memory()
         self._init_attention_backend()
-        self.sampler = Sampler()
+
+    def _start_tensor_parallel(self) -> "TPGroup":
+        """Rank 0: check that the model splits over the ranks, then start them (engine.parallel.launch)."""
+        cfg = self.model_config
+        check_heads(
+            cfg.num_attention_heads,
+            getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            self.config.tensor_parallel_size,
+        )
+        from engine.parallel.launch import start_group  # noqa: PLC0415  (torch.distributed: TP only)
+
+        return start_group(self.config, self.device, FOLLOWER_MODULE)
 
     def _init_model(self) -> None:
-        self.model_config = load_config(self.source)
         free_before = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
         try:
             self.model = load_model(
@@ -78,6 +120,7 @@ class ModelRunner:
                 self.dtype,
                 self.device,
                 seed=self.config.random_seed,
+                tp=self.tp,
             )
         except torch.cuda.OutOfMemoryError as exc:
             n = _param_count(self.model_config)
@@ -145,11 +188,16 @@ class ModelRunner:
         m = self.model
         bytes_per_token = KVPool.bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, self.dtype)
         ps = self.config.page_size
-        num_pages = self._kv_capacity_tokens(bytes_per_token) // ps + 1  # + the reserved page 0
+        tokens = self._kv_capacity_tokens(bytes_per_token)
+        if self.tp is not None:  # slot indices must mean the same on every rank
+            tokens = self.tp.agree_min(tokens)
+        num_pages = tokens // ps + 1  # + the reserved page 0
         self.kv_pool = KVPool(num_pages * ps, m.num_layers, m.num_kv_heads, m.head_dim, self.dtype, self.device)
         self.allocator = TokenToKVPoolAllocator(num_pages, ps)
         rows = self.config.max_running_requests + EXTRA_REQ_ROWS
-        self.req_to_token_pool = ReqToTokenPool(rows, self.context_len + ps, self.device)
+        # Rank 0 of a tensor-parallel group records its table writes for the other ranks' copies.
+        table = RecordingReqToTokenPool if self.tp is not None and self.tp.rank == 0 else ReqToTokenPool
+        self.req_to_token_pool = table(rows, self.context_len + ps, self.device)
         logger.info(
             "KV pool: %d tokens (%d pages of %d), %.1f MiB",
             self.allocator.size,
@@ -189,7 +237,14 @@ class ModelRunner:
         if name == "flashinfer" and self.config.triton_decode_max_bs > 0:
             self.small_decode_backend = get_backend_class("triton")(*args, m.head_dim**-0.5)
         self.graph_runner = None
-        if self.device.type == "cuda" and not self.config.disable_cuda_graph and self.attn_backend.supports_cuda_graph:
+        # Tensor parallelism decodes eagerly: the graphs would have to capture the forward's collectives
+        # (NCCL inside CUDA graphs), which is not handled yet.
+        if (
+            self.device.type == "cuda"
+            and self.tp is None
+            and not self.config.disable_cuda_graph
+            and self.attn_backend.supports_cuda_graph
+        ):
             from engine.runner.cuda_graph import CudaGraphRunner  # noqa: PLC0415
 
             max_bs = self.config.cuda_graph_max_bs or min(self.config.max_running_requests, 256)
@@ -223,7 +278,14 @@ class ModelRunner:
         """Queue the forward of `batch` (a prepared ScheduleBatch) and the sampling of its sampled requests
         on the device, and the copy of the results to the host; on CUDA nothing here waits for the device
         except prompt logprobs (computed on the host now). `steps`: the sampling step of each sampled
-        request (default: its len(output_ids); overlap scheduling adds the token still in flight)."""
+        request (default: its len(output_ids); overlap scheduling adds the token still in flight).
+        Tensor-parallel: every rank runs the step; a rank's death raises TensorParallelError."""
+        if self.tp is None:
+            return self._launch(batch, steps)
+        with self.tp.guard():
+            return self._launch(batch, steps)
+
+    def _launch(self, batch, steps: Optional[List[int]]) -> LaunchedBatch:
         fb = batch.forward_batch
         fb.attn_backend = self.backend_for(fb)
         reqs = batch.sampled_reqs
@@ -231,9 +293,12 @@ class ModelRunner:
             logits = self.graph_runner.replay(fb)  # DECODE: every request is sampled, no prompt logprobs
             prompt_logprobs = {}
         else:
+            rows = self._prompt_logprob_rows(batch) if fb.forward_mode is ForwardMode.EXTEND else []
+            if self.tp is not None:
+                self._send_step(fb, rows, len(reqs))
             fb.attn_backend.init_forward_metadata(fb)
             hidden = self.model(fb)
-            prompt_logprobs = self._prompt_logprobs(batch, hidden) if fb.forward_mode is ForwardMode.EXTEND else {}
+            prompt_logprobs = self._prompt_logprobs(batch, hidden, rows) if rows else {}
             if not reqs:
                 return LaunchedBatch.empty(self.device, prompt_logprobs)
             logits = self.model.compute_logits(hidden[fb.last_token_rows[: len(reqs)]])
@@ -257,21 +322,30 @@ class ModelRunner:
             prompt_logprobs,
         )
 
-    def _prompt_logprobs(self, batch, hidden: torch.Tensor) -> Dict[int, List[TokenLogprob]]:
-        """For requests owing prompt logprobs: the logprob of each prompt token whose predecessor's
-        position this step computed. Row j of request i holds position kv_len + j; it scores
-        prompt token kv_len + j + 1 (the last prompt position predicts an output token instead)."""
-        result: Dict[int, List[TokenLogprob]] = {}
+    def _prompt_logprob_rows(self, batch) -> List[Tuple[int, int, int]]:
+        """(batch index, first hidden row, rows) of each request owing prompt logprobs whose rows this step
+        computes. Row j of request i holds position kv_len + j; it scores prompt token kv_len + j + 1 (the
+        last prompt position predicts an output token instead)."""
+        rows = []
         for i, req in enumerate(batch.reqs):
             if not req.needs_prompt_logprobs:
                 continue
-            start = batch.forward_batch.extend_start_loc_cpu[i]
             first = req.kv_len
             if first != len(req.prompt_logprobs):  # prompt logprobs forbid prefix reuse, so these agree
                 raise RuntimeError(f"{req}: prompt logprobs out of step ({len(req.prompt_logprobs)} != {first})")
             n = min(req.extend_len, len(req.origin_input_ids) - 1 - first)
-            if n <= 0:
-                continue
+            if n > 0:
+                rows.append((i, batch.forward_batch.extend_start_loc_cpu[i], n))
+        return rows
+
+    def _prompt_logprobs(
+        self, batch, hidden: torch.Tensor, rows: List[Tuple[int, int, int]]
+    ) -> Dict[int, List[TokenLogprob]]:
+        """The logprob of each prompt token scored by `rows` (_prompt_logprob_rows), per batch index."""
+        result: Dict[int, List[TokenLogprob]] = {}
+        for i, start, n in rows:
+            req = batch.reqs[i]
+            first = req.kv_len
             logp = torch.log_softmax(self.model.compute_logits(hidden[start : start + n]), dim=-1)
             targets = torch.tensor(req.origin_input_ids[first + 1 : first + 1 + n], device=logp.device)
             chosen = logp.gather(1, targets[:, None])[:, 0].tolist()
@@ -284,6 +358,32 @@ class ModelRunner:
                 for t, lp, ti, tv in zip(targets.tolist(), chosen, top_ids, top_vals)
             ]
         return result
+
+    # ---- tensor parallelism ------------------------------------------------------------------------
+    def _send_step(self, fb, prompt_rows: List[Tuple[int, int, int]], num_sampled: int) -> None:
+        """Rank 0: broadcast the step about to run (engine.parallel.step)."""
+        from engine.parallel.step import send_step  # noqa: PLC0415  (TP only)
+
+        edits = self.req_to_token_pool.take_edits()
+        send_step(self.tp, fb, edits, [(start, n) for _, start, n in prompt_rows], num_sampled)
+
+    def close(self) -> None:
+        """Rank 0: stop the other ranks; every rank: leave the group. A no-op without tensor parallelism;
+        idempotent."""
+        tp, self.tp = getattr(self, "tp", None), None
+        if tp is None:
+            return
+        if tp.processes is not None:
+            if tp.failure is None:
+                try:
+                    from engine.parallel.step import send_stop  # noqa: PLC0415
+
+                    send_stop(tp)
+                    tp.processes.stop()
+                except Exception:  # noqa: BLE001 - a rank died meanwhile: end them all
+                    logger.warning("tensor-parallel ranks did not stop cleanly: killing them", exc_info=True)
+            tp.processes.kill()
+        tp.close()
 
 
 def _param_count(cfg) -> int:
