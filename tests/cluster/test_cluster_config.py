@@ -50,6 +50,8 @@ def test_engine_options_follow_engine_config():
         ({"schedule_policy": "sjf"}, "schedule_policy"),
         ({"model": "/no/such/model"}, "not found"),
         ({"dtype": "int3"}, "dtype"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+        ({"mode": "disaggregated", "tensor_parallel_size": 2}, "tensor_parallel_size > 1 is not supported"),
     ],
 )
 def test_invalid_config_fails_fast(bad, where):
@@ -70,6 +72,16 @@ def test_builder_wires_three_deployments():
     assert wd.ray_actor_options["num_cpus"] == 0.5
     assert wd._deployment_config.request_router_config.request_router_class.endswith("PinnedRequestRouter")
     assert router._bound_deployment.init_args[1] == "prefix_hash"
+
+
+def test_workers_reserve_a_gpu_per_tensor_parallel_rank(monkeypatch):
+    import cluster.app
+
+    monkeypatch.setattr(cluster.app, "_cluster_resources", lambda: {"CPU": 8.0, "GPU": 4.0})
+    assert cluster.app._gpus_per_worker(ClusterArgs(tensor_parallel_size=2)) == 2.0
+    assert cluster.app._gpus_per_worker(ClusterArgs(tensor_parallel_size=2, num_gpus=1)) == 1.0
+    monkeypatch.setattr(cluster.app, "_cluster_resources", lambda: {"CPU": 8.0, "GPU": 0.0})
+    assert cluster.app._gpus_per_worker(ClusterArgs(tensor_parallel_size=2)) == 0.0
 
 
 def test_serve_config_yaml_args_are_valid():
