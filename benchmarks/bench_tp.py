@@ -13,7 +13,8 @@ the shards put together are the TP=1 tensors) measures:
   throughput      with --num-prompts > 0: the offline random workload of bench_offline.py (prompts of
                   --input-len tokens, --output-len tokens each, ignore_eos, all submitted at once)
 
-  python benchmarks/bench_tp.py --config benchmarks/configs/llama-3.1-8b.json --tp-sizes 1 2 --control disable_gemv
+  python benchmarks/bench_tp.py --config benchmarks/configs/llama-3.1-8b.json --tp-sizes 1 2 \\
+      --control disable_gemv 2:disable_custom_all_reduce
   python benchmarks/bench_tp.py --config benchmarks/configs/llama-3.1-70b.json --tp-sizes 4 \\
       --num-prompts 1000 --input-len 1024 --output-len 256
 Prints a table; writes JSON (default benchmarks/results/tp_<config>_<gpu>.json) naming the hardware.
@@ -139,8 +140,9 @@ def main() -> None:
         nargs="*",
         default=[],
         metavar="FLAG",
-        help="boolean EngineConfig fields (e.g. disable_gemv): one more run of the first TP size with each set, "
-        "whose agreement shows how far greedy tokens move under a change of rounding alone",
+        help="boolean EngineConfig fields (e.g. disable_gemv, or 2:disable_custom_all_reduce for TP size 2): one "
+        "more run with each set (of the first TP size unless SIZE: is given); with a rounding change alone, its "
+        "agreement shows how far greedy tokens move for no other reason",
     )
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -149,7 +151,10 @@ def main() -> None:
     shutil.copy(args.config, os.path.join(folder, "config.json"))
     ctx = multiprocessing.get_context("spawn")
     runs = []
-    plan = [(tp, None) for tp in args.tp_sizes] + [(args.tp_sizes[0], {flag: True}) for flag in args.control]
+    plan = [(tp, None) for tp in args.tp_sizes]
+    for spec in args.control:  # FLAG (the first size) or SIZE:FLAG
+        size, _, flag = spec.rpartition(":")
+        plan.append((int(size) if size else args.tp_sizes[0], {flag: True}))
     for tp, overrides in plan:
         with ctx.Pool(1) as pool:
             runs.append(pool.apply(measure, (folder, tp, vars(args), overrides)))
