@@ -63,6 +63,7 @@ class Ingress:
         from fastapi import Depends
 
         from cluster.ingress.admin import admin_key_check, install_admin
+        from cluster.ingress.response_store import RouterResponseStore
         from serving.app import build_app
 
         # The admin API checks the admin key itself; the dashboard's files hold no data (its page asks
@@ -79,6 +80,7 @@ class Ingress:
             own_auth_prefixes=own_auth,
             request_timeout_s=self.request_timeout_s,
             rate_limits=self.rate_limits,
+            response_store=RouterResponseStore(self.backend.router),  # one store for every ingress replica
         )
         self.lifetimes = app.state.serving.lifetimes
         app.state.serving.metrics.registry.register(WorkerGauges(self.backend, self.model_name))
