@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from engine_harness import assert_no_leak
-from serving_harness import MODEL, serve
+from serving_harness import MODEL, serve, wait_idle
 
 QUESTION = "What is the capital of France?"
 WEATHER = {
@@ -162,6 +162,16 @@ def test_output_config_json_schema(client):
         jsonschema_rs.validate(schema, json.loads(m.content[0].text))
     else:
         assert m.content[0].text.startswith("{")
+
+
+def test_stream_closed_early_frees_everything(client, default_engine):
+    with client.messages.stream(
+        model=MODEL, max_tokens=200, **GREEDY, messages=[{"role": "user", "content": "Count from one to a hundred."}]
+    ) as stream:
+        pieces = [text for _, text in zip(range(4), stream.text_stream)]
+    assert len(pieces) == 4
+    wait_idle(default_engine)
+    assert_no_leak(default_engine)
 
 
 def test_stop_sequences(client):

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from engine_harness import assert_no_leak
-from serving_harness import MODEL, serve
+from serving_harness import MODEL, serve, wait_idle
 
 QUESTION = "What is the capital of France?"
 WEATHER = {
@@ -259,6 +259,17 @@ def test_refused_features_name_their_param(client, extra, param):
     with pytest.raises((openai.BadRequestError, openai.NotFoundError)) as err:
         client.responses.create(**body)
     assert err.value.body["param"] == param, err.value.body
+
+
+def test_stream_closed_early_frees_everything(client, default_engine):
+    stream = client.responses.create(
+        model=MODEL, input="Count from one to a hundred.", max_output_tokens=200, temperature=0, stream=True
+    )
+    seen = [e.type for _, e in zip(range(6), stream)]
+    stream.close()
+    assert "response.output_text.delta" in seen
+    wait_idle(default_engine)
+    assert_no_leak(default_engine)
 
 
 def test_lru_store_bounds():
