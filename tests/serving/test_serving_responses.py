@@ -59,7 +59,14 @@ def test_plain_equals_chat_completion(client):
     assert r.output_text == text and text
     assert r.output[0].type == "message" and r.output[0].role == "assistant"
     assert r.usage.input_tokens == usage.prompt_tokens and r.usage.output_tokens == usage.completion_tokens
-    assert r.status == r.output[0].status == ("completed" if usage.completion_tokens < 16 else r.status)
+    finish = (
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=16, temperature=0
+        )
+        .choices[0]
+        .finish_reason
+    )
+    assert r.status == r.output[0].status == {"stop": "completed", "length": "incomplete"}[finish]
     with_instructions = client.responses.create(
         model=MODEL,
         instructions="Answer in French.",
