@@ -43,9 +43,9 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     title: str = "radixserve",
     own_auth_prefixes: Tuple[str, ...] = (),
+    response_store: Optional[ResponseStore] = None,
     request_timeout_s: Optional[float] = DEFAULT_REQUEST_TIMEOUT_S,
     rate_limits: Optional[RateLimits] = None,
-    response_store: Optional[ResponseStore] = None,
 ) -> FastAPI:
     """The OpenAI-compatible app serving `backend` under `model_name`.
 
@@ -53,11 +53,11 @@ def build_app(
     /health and /metrics (OPEN_PATHS: probes and scrapers carry no key) and routes under
     `own_auth_prefixes`, which check a key of their own (the cluster's admin routes).
     `max_body_bytes`: larger bodies get a 413.
+    `response_store`: where /v1/responses keeps stored responses (None: a LocalResponseStore of its own).
     `request_timeout_s`: the default deadline of every request, queueing included (None: none); a
     request's own `timeout` can only shorten it. `app.state.serving.lifetimes.drain(grace_s)` starts
     a drain (serving/lifetime.py).
     `rate_limits`: requests and tokens per minute per API key (serving/ratelimit.py); None: none.
-    `response_store`: where /v1/responses keeps stored responses (None: a LocalResponseStore of its own).
     """
     app = FastAPI(
         title=title,

@@ -10,6 +10,7 @@ from ray import serve
 from cluster.ingress.backend import ClusterBackend
 from cluster.ingress.disaggregated import DisaggregatedBackend
 from cluster.ingress.metrics import WorkerGauges
+from cluster.ingress.response_store import RouterResponseStore
 
 
 @serve.ingress()
@@ -63,7 +64,6 @@ class Ingress:
         from fastapi import Depends
 
         from cluster.ingress.admin import admin_key_check, install_admin
-        from cluster.ingress.response_store import RouterResponseStore
         from serving.app import build_app
 
         # The admin API checks the admin key itself; the dashboard's files hold no data (its page asks
@@ -78,9 +78,9 @@ class Ingress:
             max_body_bytes=self.max_body_bytes,
             title="radixserve cluster",
             own_auth_prefixes=own_auth,
+            response_store=RouterResponseStore(self.backend.router),  # one store for every ingress replica
             request_timeout_s=self.request_timeout_s,
             rate_limits=self.rate_limits,
-            response_store=RouterResponseStore(self.backend.router),  # one store for every ingress replica
         )
         self.lifetimes = app.state.serving.lifetimes
         app.state.serving.metrics.registry.register(WorkerGauges(self.backend, self.model_name))
