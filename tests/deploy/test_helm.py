@@ -432,7 +432,8 @@ def test_default_values_build_the_app(helm):
 def test_tensor_parallel_pool_puts_each_replica_on_one_pod(helm, tmp_path):
     """A TP=4 unified pool of Llama-3.1-70B (its real config, dummy weights): every worker pod
     requests 4 GPUs (Kubernetes) and offers 4 to Ray, the Serve replica reserves 4, ClusterArgs get
-    tensor_parallel_size=4, and the RayService and pods validate; with two replicas per pod, 8."""
+    tensor_parallel_size=4, and the RayService and pods validate; with two replicas per pod, 8.
+    The worker pods (not the head) get a memory-backed /dev/shm for the ranks."""
     import shutil
 
     model = tmp_path / "llama-3.1-70b"  # ClusterArgs checks the model folder exists (config only)
@@ -459,6 +460,10 @@ def test_tensor_parallel_pool_puts_each_replica_on_one_pod(helm, tmp_path):
         assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == str(gpus)
         assert group["rayStartParams"]["num-gpus"] == str(gpus)
         assert group["replicas"] == -(-3 // per_pod)
+        spec = group["template"]["spec"]
+        assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in spec["volumes"]
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in spec["containers"][0]["volumeMounts"]
+        assert "volumes" not in pod_templates(rs)["head"]["spec"]
 
         args = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]
         assert (args["tensor_parallel_size"], args["num_gpus"], args["model"]) == (4, 4, str(model))
