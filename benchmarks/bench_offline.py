@@ -101,8 +101,8 @@ def run_once(
         cache_hit_rate=cached / n_in,
         input_tokens=n_in,
         output_tokens=n_out,
-        retractions=stats["retractions"],
-        kv_total_tokens=stats["kv_total_tokens"],
+        retractions=stats.retractions,
+        kv_total_tokens=stats.kv_total_tokens,
         attention_backend=backend,
         cuda_graphs=graphs,
     )

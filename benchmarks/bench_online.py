@@ -1010,7 +1010,7 @@ def bare_child(spec_path: str) -> None:
             summary["prompt_tokens_mean"] = summary["prompt_tokens"] / max(1, summary["completed"])
             summary["bench_serving_args"] = argv
             record["workloads"][name] = summary
-            st = engine.stats()
+            st = engine.stats().as_dict()
             kv = {
                 k: st.get(k)
                 for k in (

@@ -36,11 +36,11 @@ def run(engine_kwargs: Dict, prompts: List[List[int]], output_len: int, repeats:
         times = []
         for _ in range(repeats):
             engine.flush_cache()
-            steps = engine.stats()["decode_steps"]
+            steps = engine.stats().decode_steps
             start = time.perf_counter()
             outs = engine.generate(prompts, params)
             times.append(time.perf_counter() - start)
-        steps = engine.stats()["decode_steps"] - steps  # of the last run (overlap: its extra step may be pending)
+        steps = engine.stats().decode_steps - steps  # of the last run (overlap: its extra step may be pending)
     del engine
     gc.collect()
     best = min(times)

@@ -100,8 +100,8 @@ def measure(folder: str, tp: int, args_dict: Dict, overrides: Optional[Dict] = N
                 total_tok_per_s=(n_out + len(prompts) * args.input_len) / elapsed,
             )
         stats = engine.stats()
-        result["kv_total_tokens"] = stats["kv_total_tokens"]
-        result["kv_leak_free"] = stats["kv_free_tokens"] + stats["kv_evictable_tokens"] == stats["kv_total_tokens"]
+        result["kv_total_tokens"] = stats.kv_total_tokens
+        result["kv_leak_free"] = stats.kv_free_tokens + stats.kv_evictable_tokens == stats.kv_total_tokens
     return result
 
 

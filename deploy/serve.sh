@@ -14,8 +14,8 @@ export RAY_SERVE_USE_GRPC_BY_DEFAULT="${RAY_SERVE_USE_GRPC_BY_DEFAULT:-1}"
 export RAY_SERVE_ENABLE_HA_PROXY="${RAY_SERVE_ENABLE_HA_PROXY:-1}"
 # Ray Serve's throughput preset: each replica runs its code on its own event loop (no hop to a user-code
 # thread), routes without a separate router loop and its metrics thread, buffers its request log and freezes
-# the GC after start-up. At 256 streams in flight one ingress replica is CPU-bound, and this serves 1.16-1.19x
-# the requests per second; at 64 in flight 2.5-3% fewer (benchmarks/README.md, "Cluster front end").
+# the GC after start-up. At 256 streams in flight one ingress replica is CPU-bound, and this serves more
+# requests per second; at 64 in flight slightly fewer (benchmarks/README.md, "Cluster front end").
 export RAY_SERVE_THROUGHPUT_OPTIMIZED="${RAY_SERVE_THROUGHPUT_OPTIMIZED:-1}"
 # With HAProxy, Serve holds a stopping ingress replica for 30 s so that load balancers in front can
 # deregister it; this local cluster has none, and the drain below has already stopped admitting.

@@ -27,7 +27,7 @@ from engine.config import EngineConfig
 from engine.core.messages import AbortRequest, AddRequest, CompleteImport, ReleaseExport
 from engine.errors import EngineAbortedError, EngineDeadError, InvalidRequestError, PromptTooLongError, QueueFullError
 from engine.models.source import resolve_model
-from engine.outputs import GenerateOutput, ReqOutput, StreamOutput
+from engine.outputs import EngineStats, GenerateOutput, ReqOutput, StreamOutput
 from engine.sampling_params import SamplingParams
 from engine.text import OutputText
 from engine.tokenizer import load_tokenizer
@@ -280,11 +280,11 @@ class Engine:
         if self.core.dead is None:
             self.core.send(AbortRequest(rid))
 
-    def stats(self) -> Dict[str, float]:
+    def stats(self) -> EngineStats:
         """Running / waiting requests, KV usage, cache hit rate and counters (taken between two steps)."""
         return self.core.call("stats")
 
-    async def stats_async(self) -> Dict[str, float]:
+    async def stats_async(self) -> EngineStats:
         return await self.core.call_async("stats")
 
     def drain_cache_events(self) -> list:

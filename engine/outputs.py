@@ -5,13 +5,16 @@ that they pickle compactly across the process boundary between an Engine and its
     EngineCore step ──ReqOutput (token ids, logprobs, finish; per engine request)──▶ Engine front end
         ──StreamOutput (per step, per choice; text made by engine.text.OutputText)──▶ caller
         ──GenerateOutput (whole choice, the sync API)
+
+    Engine.stats() ──EngineStats (state between two steps, counters since start)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 
 class FinishReason(str, enum.Enum):
@@ -125,3 +128,41 @@ class GenerateOutput:
     logprobs: Optional[List[TokenLogprob]] = None
     prompt_logprobs: Optional[List[TokenLogprob]] = None
     """Logprobs of prompt tokens 1..n-1 (sampling_params.prompt_logprobs set), else None."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """One engine's state, taken between two steps (Engine.stats), and its counters since it started.
+
+    KV figures are in tokens (slots): kv_free_tokens + kv_evictable_tokens + what running requests hold =
+    kv_total_tokens; kv_cached_tokens (the radix cache) includes the evictable tokens and those locked by
+    running requests. An idle engine that leaked nothing has kv_free_tokens + kv_evictable_tokens ==
+    kv_total_tokens and kv_cached_tokens == kv_evictable_tokens."""
+
+    running: int
+    """Requests in the running batch (a request being prefilled in chunks counts)."""
+    waiting: int
+    """Requests queued for their first step, including those still compiling a grammar or importing KV."""
+    handoff_in_flight: int
+    """Disaggregation: requests whose KV is being handed over (exported, awaiting or held)."""
+    kv_total_tokens: int
+    kv_free_tokens: int
+    kv_cached_tokens: int
+    kv_evictable_tokens: int
+    kv_usage: float
+    """Share of the pool held by requests (neither free nor evictable), 0..1."""
+    cache_hit_rate: float
+    """cached_tokens / prompt_tokens since start (0 before the first prompt)."""
+    prompt_tokens: int
+    cached_tokens: int
+    generated_tokens: int
+    retractions: int
+    finished: int
+    aborted: int
+    prefill_steps: int
+    decode_steps: int
+    mixed_steps: int
+
+    def as_dict(self) -> Dict[str, float]:
+        """Every field by name (JSON bodies, Prometheus, the cluster's worker reports)."""
+        return dataclasses.asdict(self)

@@ -17,9 +17,22 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from typing import Any, AsyncIterator, Dict, List
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, List
 
 from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ServingLoad:
+    """What /metrics exports of the model behind the routes (one engine, or a cluster's workers together)."""
+
+    running: int
+    waiting: int
+    kv_usage: float
+    """Share of KV memory held by requests, 0..1 (a cluster: the mean over its workers)."""
+    cache_hit_rate: float
+    """Cached prompt tokens / prompt tokens."""
 
 
 class ServingBackend(abc.ABC):
@@ -44,8 +57,8 @@ class ServingBackend(abc.ABC):
         """Abort every choice of request `rid` (a no-op when it already finished)."""
 
     @abc.abstractmethod
-    async def stats(self) -> Dict[str, float]:
-        """At least running, waiting, kv_usage, cache_hit_rate (what /metrics exports)."""
+    async def stats(self) -> ServingLoad:
+        """The current load (what /metrics exports)."""
 
     @abc.abstractmethod
     async def health(self) -> bool:
@@ -70,8 +83,9 @@ class EngineBackend(ServingBackend):
     def abort(self, rid: str) -> None:
         self.engine.abort(rid)
 
-    async def stats(self) -> Dict[str, float]:
-        return await self.engine.stats_async()
+    async def stats(self) -> ServingLoad:
+        s = await self.engine.stats_async()
+        return ServingLoad(s.running, s.waiting, s.kv_usage, s.cache_hit_rate)
 
     async def health(self) -> bool:
         try:

@@ -13,6 +13,8 @@ from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from serving.backend import ServingLoad
+
 _LATENCY_BUCKETS = (
     0.005,
     0.01,
@@ -86,11 +88,11 @@ class Metrics:
             "radixserve_prefix_cache_hit_rate", "Cached prompt tokens / prompt tokens.", ["model_name"], registry=r
         ).labels(**label)
 
-    def update_engine_gauges(self, stats: dict) -> None:
-        self.running.set(stats.get("running", 0))
-        self.waiting.set(stats.get("waiting", 0))
-        self.kv_usage.set(stats.get("kv_usage", 0.0))
-        self.hit_rate.set(stats.get("cache_hit_rate", 0.0))
+    def update_engine_gauges(self, load: ServingLoad) -> None:
+        self.running.set(load.running)
+        self.waiting.set(load.waiting)
+        self.kv_usage.set(load.kv_usage)
+        self.hit_rate.set(load.cache_hit_rate)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -27,6 +27,6 @@ def make_engine(**kwargs):
 def assert_no_leak(engine) -> None:
     """Idle engine: every slot is free or held by the radix cache, and nothing is locked."""
     s = engine.stats()
-    assert s["running"] == 0 and s["waiting"] == 0, s
-    assert s["kv_free_tokens"] + s["kv_evictable_tokens"] == s["kv_total_tokens"], s
-    assert s["kv_cached_tokens"] == s["kv_evictable_tokens"], s
+    assert s.running == 0 and s.waiting == 0, s
+    assert s.kv_free_tokens + s.kv_evictable_tokens == s.kv_total_tokens, s
+    assert s.kv_cached_tokens == s.kv_evictable_tokens, s

@@ -52,7 +52,7 @@ def wait_idle(engine, timeout: float = 20.0) -> dict:
     deadline = time.time() + timeout
     while True:
         s = engine.stats()
-        if (s["running"] == 0 and s["waiting"] == 0) or time.time() > deadline:
+        if (s.running == 0 and s.waiting == 0) or time.time() > deadline:
             return s
         time.sleep(0.05)
 

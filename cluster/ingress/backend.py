@@ -46,7 +46,7 @@ from cluster.router.policies import PoolFullError
 from engine.errors import QueueFullError
 from engine.sampling_params import SamplingParams
 from engine.text import OutputText
-from serving.backend import ServingBackend
+from serving.backend import ServingBackend, ServingLoad
 from serving.errors import RETRY_AFTER_S, APIError, queue_full
 
 
@@ -441,13 +441,13 @@ class ClusterBackend(ServingBackend):
         self.last_stats = await asyncio.wait_for(self.router.stats.remote(), 30)
         return self.last_stats
 
-    async def stats(self) -> Dict[str, float]:
+    async def stats(self) -> ServingLoad:
         s = await self.cluster_stats()
         engines = [w.engine for w in s.workers.values()]
         kv = [e.get("kv_usage", 0.0) for e in engines]
-        return dict(
-            running=sum(e.get("running", 0) for e in engines),
-            waiting=sum(e.get("waiting", 0) for e in engines),
+        return ServingLoad(
+            running=int(sum(e.get("running", 0) for e in engines)),
+            waiting=int(sum(e.get("waiting", 0) for e in engines)),
             kv_usage=sum(kv) / len(kv) if kv else 0.0,
             cache_hit_rate=s.cache_hit_rate,
         )

@@ -177,21 +177,21 @@ class WorkerBase:
 
     # ---- router and health -----------------------------------------------------------------------
     async def report(self) -> WorkerReport:
-        stats = await self.stats()
+        engine = await self.engine.stats_async()
         events = await self.engine.drain_cache_events_async()
         return WorkerReport(
             self.replica_id,
-            int(stats.get("waiting", 0)),
-            int(stats.get("running", 0)),
-            float(stats.get("kv_usage", 0.0)),
+            engine.waiting,
+            engine.running,
+            engine.kv_usage,
             events,
-            stats,
+            {**engine.as_dict(), **self._extra_stats()},
             time.time(),
             self.engine.config.admission_limit,
         )
 
     async def stats(self) -> Dict[str, float]:
-        return {**await self.engine.stats_async(), **self._extra_stats()}
+        return {**(await self.engine.stats_async()).as_dict(), **self._extra_stats()}
 
     def _extra_stats(self) -> Dict[str, float]:
         """Counters of this replica beside the engine's (reported with them), and its placement."""

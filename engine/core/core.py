@@ -16,6 +16,7 @@ the running batch.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,7 +38,7 @@ from engine.errors import EngineDeadError, InvalidConfigError, InvalidRequestErr
 from engine.memory.kv_cache_manager import KVCacheManager
 from engine.memory.radix_cache import RadixCache
 from engine.models.source import ModelSource
-from engine.outputs import FinishReason, ReqOutput
+from engine.outputs import EngineStats, FinishReason, ReqOutput
 from engine.request import Req
 from engine.runner.grammar import GrammarCompiler, GrammarState, grammar_key
 from engine.runner.model_runner import ModelRunner
@@ -248,11 +249,10 @@ class EngineCore:
             )
 
     # ---- calls (CoreCall.method → call_<method>) ------------------------------------------
-    def call_stats(self) -> dict:
+    def call_stats(self) -> EngineStats:
         """Running / waiting requests, KV usage, cache hit rate and counters."""
         stats = self.scheduler.stats()
-        stats["waiting"] += sum(len(p.reqs) for p in self._compiling)
-        return stats
+        return dataclasses.replace(stats, waiting=stats.waiting + sum(len(p.reqs) for p in self._compiling))
 
     def call_drain_cache_events(self) -> list:
         """Radix-cache insert/evict events since the last call (needs enable_cache_events=True)."""

@@ -29,7 +29,7 @@ from typing import Dict, List, Optional
 
 from engine.forward_batch import ForwardMode
 from engine.memory.kv_cache_manager import KVCacheManager
-from engine.outputs import FinishReason, TokenLogprob
+from engine.outputs import EngineStats, FinishReason, TokenLogprob
 from engine.request import Req
 from engine.scheduler.decode import retract_for_decode
 from engine.scheduler.handoff import HandoffState
@@ -266,11 +266,11 @@ class Scheduler:
         self.handoff.export(req, token, logprob)
 
     # ---- introspection ------------------------------------------------------------------
-    def stats(self) -> Dict[str, float]:
+    def stats(self) -> EngineStats:
         alloc, tree = self.kv.allocator, self.kv.tree
         used = alloc.size - alloc.available_size() - tree.evictable_size()
         prompt = self.counters["prompt_tokens"]
-        return dict(
+        return EngineStats(
             running=len(self.running) + (1 if self.chunked_req else 0),
             waiting=len(self.waiting) + len(self.handoff.importing),
             handoff_in_flight=len(self.handoff.awaiting) + len(self.handoff.held),

@@ -204,10 +204,10 @@ def test_randomized_abort_retract_finish_mix_leaks_nothing():
 
         asyncio.run(main())
         stats = engine.stats()
-        assert stats["aborted"] > 0 and stats["finished"] > 0, stats
+        assert stats.aborted > 0 and stats.finished > 0, stats
         # let the loop process the last aborts
         for _ in range(50):
-            if engine.stats()["running"] == 0 and engine.stats()["waiting"] == 0:
+            if engine.stats().running == 0 and engine.stats().waiting == 0:
                 break
             asyncio.run(asyncio.sleep(0.05))
         assert_no_leak(engine)

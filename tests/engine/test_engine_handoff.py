@@ -43,7 +43,7 @@ def wait_idle(engine) -> None:
     """Aborts are applied at the engine's next step: wait (bounded) until nothing is in flight."""
     for _ in range(200):
         s = engine.stats()
-        if s["handoff_in_flight"] == 0 and s["running"] == 0 and s["waiting"] == 0:
+        if s.handoff_in_flight == 0 and s.running == 0 and s.waiting == 0:
             return
         time.sleep(0.01)
 
@@ -128,7 +128,7 @@ def test_failures_free_every_page_on_both_sides(engines, fail_at):
     for e in (prefill, decode):
         wait_idle(e)
         assert_no_leak(e)
-        assert e.stats()["handoff_in_flight"] == 0
+        assert e.stats().handoff_in_flight == 0
     # Both still serve.
     tokens, *_ = asyncio.run(disaggregated(prefill, decode, PROMPTS[0], dict(max_new_tokens=4), "after"))
     assert len(tokens) == 4
@@ -154,7 +154,7 @@ def test_client_cancel_while_waiting_for_prefill(engines):
 
         task = asyncio.ensure_future(consume())
         await asyncio.wait_for(started.wait(), 30)
-        assert decode.stats()["handoff_in_flight"] == 1
+        assert decode.stats().handoff_in_flight == 1
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -63,7 +63,7 @@ def test_greedy_unchanged_by_retraction(reference):
     with make_engine(max_total_tokens=192, page_size=16, new_token_ratio=0.0) as engine:
         got = [o.token_ids for o in engine.generate(PROMPTS, {**GREEDY, "ignore_eos": False})]
         stats = engine.stats()
-        assert stats["retractions"] > 0, stats
+        assert stats.retractions > 0, stats
         assert got == reference
         assert_no_leak(engine)
 

@@ -171,7 +171,7 @@ def test_gpu_kv_pool_sized_from_free_memory():
             device="cuda", dtype="bfloat16", max_total_tokens=None, mem_fraction_static=frac, disable_cuda_graph=True
         )
         try:
-            sizes[frac] = engine.stats()["kv_total_tokens"]
+            sizes[frac] = engine.stats().kv_total_tokens
             per_token = engine.runner.kv_pool.bytes_per_token(
                 engine.runner.model.num_layers,
                 engine.runner.model.num_kv_heads,
@@ -230,7 +230,7 @@ def _overlap_run(overlap: bool, dtype: str, params):
         assert_no_leak(engine)
         engine.flush_cache()
         stats = engine.stats()
-        assert stats["kv_free_tokens"] == stats["kv_total_tokens"], stats
+        assert stats.kv_free_tokens == stats.kv_total_tokens, stats
         return outs
     finally:
         engine.shutdown()

@@ -35,7 +35,7 @@ def _tokens(**kwargs) -> list:
         hit = engine.generate(LONG + " In short,", GREEDY)
         assert hit.cached_tokens > 0
         stats = engine.stats()
-        assert stats["kv_free_tokens"] + stats["kv_evictable_tokens"] == stats["kv_total_tokens"], stats
+        assert stats.kv_free_tokens + stats.kv_evictable_tokens == stats.kv_total_tokens, stats
         return [o.token_ids for o in outs] + [hit.token_ids]
     finally:
         engine.shutdown()

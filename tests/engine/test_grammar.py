@@ -196,7 +196,7 @@ def test_retraction_keeps_grammar_state(default_engine):
     reference = [o.token_ids for o in default_engine.generate(prompts, params)]
     with make_engine(max_total_tokens=96, page_size=4, new_token_ratio=0.0) as engine:
         outs = engine.generate(prompts, params)
-        assert engine.stats()["retractions"] > 0, engine.stats()
+        assert engine.stats().retractions > 0, engine.stats()
         assert [o.token_ids for o in outs] == reference
         for out in outs:
             assert out.finish_reason == "stop" and re.fullmatch(words, out.text), out

@@ -57,7 +57,7 @@ def assert_clean(engine) -> None:
     assert_no_leak(engine)
     engine.flush_cache()
     s = engine.stats()
-    assert s["kv_free_tokens"] == s["kv_total_tokens"], s
+    assert s.kv_free_tokens == s.kv_total_tokens, s
 
 
 def wait_idle(engine) -> None:
@@ -193,7 +193,7 @@ def test_retraction_identical():
             max_total_tokens=192, page_size=16, new_token_ratio=0.0, disable_overlap_schedule=not overlap
         ) as engine:
             results[overlap] = [summary(o) for o in engine.generate(PROMPTS, greedy)]
-            assert engine.stats()["retractions"] > 0
+            assert engine.stats().retractions > 0
             assert_clean(engine)
     assert results[True] == results[False]
 
@@ -266,7 +266,7 @@ def test_abort_reaches_a_request_only_in_flight(engines, handoff):
     assert output_ids == [] and [(o.new_token_ids, o.finish_reason, o.handoff) for o in outputs] == [
         ([], FinishReason.ABORT, None)
     ]
-    assert engine.stats()["handoff_in_flight"] == 0
+    assert engine.stats().handoff_in_flight == 0
     assert_clean(engine)
 
 

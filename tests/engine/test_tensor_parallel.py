@@ -218,7 +218,7 @@ def test_rank_failure_ends_the_engine(tp_engine):
     thread = threading.Thread(target=generate, daemon=True)
     thread.start()
     started.wait()
-    while tp_engine.stats()["running"] == 0:  # decoding
+    while tp_engine.stats().running == 0:  # decoding
         pass
     os.kill(pid, signal.SIGKILL)
     thread.join(timeout=300)  # a guard against a hang, not a speed requirement

@@ -99,5 +99,5 @@ def test_openapi_fuzz_no_server_errors(default_engine):
                 assert mode == schemathesis.GenerationMode.NEGATIVE, op.label
     assert not failures, failures[:5]
     stats = wait_idle(default_engine)
-    assert stats["running"] == 0
+    assert stats.running == 0
     assert_no_leak(default_engine)

@@ -315,18 +315,18 @@ def test_stream_disconnect_frees_pages(base_url, default_engine, path, body):
                 if seen >= 3:
                     break
     stats = wait_idle(default_engine)
-    assert stats["running"] == 0 and stats["kv_free_tokens"] + stats["kv_evictable_tokens"] == stats["kv_total_tokens"]
+    assert stats.running == 0 and stats.kv_free_tokens + stats.kv_evictable_tokens == stats.kv_total_tokens
     assert_no_leak(default_engine)
 
 
 def test_non_stream_disconnect_frees_pages(base_url, default_engine):
-    aborted = default_engine.stats()["aborted"]
+    aborted = default_engine.stats().aborted
     with httpx.Client(base_url=base_url, timeout=1.0) as c:
         with pytest.raises(httpx.ReadTimeout):
             c.post("/v1/completions", json=cmpl(**_long()))
     t0 = time.time()
     stats = wait_idle(default_engine)
-    assert time.time() - t0 < 15 and stats["aborted"] > aborted
+    assert time.time() - t0 < 15 and stats.aborted > aborted
     assert_no_leak(default_engine)
 
 

@@ -39,7 +39,7 @@ def _events(response: httpx.Response) -> list:
 
 def _idle_and_clean(engine):
     stats = wait_idle(engine)
-    assert stats["running"] == 0 and stats["waiting"] == 0
+    assert stats.running == 0 and stats.waiting == 0
     assert_no_leak(engine)
 
 
