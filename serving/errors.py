@@ -123,6 +123,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
     if not errors:
         return "invalid request body", None
     first = errors[0]
+    if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
+        return f"the body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}", None
     param = _param_path(tuple(first.get("loc", ())))
     msg = first.get("msg", "invalid value")
     more = f" (and {len(errors) - 1} more error(s))" if len(errors) > 1 else ""
