@@ -4,10 +4,11 @@ Every error leaves the server as
 
     {"error": {"message": str, "type": str, "param": str | null, "code": str | int | null}}
 
-with: 400 invalid request (pydantic validation included, FastAPI's 422 becomes 400), 401 bad or
-missing API key, 404 unknown route, 413 body too large, 429 a key's rate limit (type "requests" or
-"tokens", as OpenAI's; serving/ratelimit.py), 503 queue full / engine down / shutting
-down (queue full and shutting down with Retry-After), 504 deadline exceeded. Bad input never
+with: 400 invalid request (pydantic validation included, FastAPI's 422 becomes 400; a body that is
+not JSON has param null), 401 bad or missing API key, 404 unknown route or model (model_not_found),
+413 body too large, 429 a key's rate limit (type "requests" or "tokens", as OpenAI's;
+serving/ratelimit.py), 503 queue full / engine down / shutting down (queue full and shutting down
+with Retry-After), 504 deadline exceeded. Bad input never
 reaches the 500 handler; that one exists so a bug still answers in the same shape.
 """
 
