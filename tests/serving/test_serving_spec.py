@@ -81,7 +81,8 @@ def test_chat_response_and_stream_conform(http, case, body):
     resp = conforms("CreateChatCompletionResponse", r.json())
     for choice in resp["choices"]:
         message = choice["message"]
-        assert message["refusal"] is None and "tool_calls" not in message or message["tool_calls"]
+        assert message["refusal"] is None
+        assert "tool_calls" not in message or message["tool_calls"]  # absent, never null or empty
         if body.get("logprobs"):
             assert choice["logprobs"]["refusal"] is None
     if case == "tools_required":
