@@ -117,6 +117,15 @@ class EngineConfig:
             "help": "Launch our Triton kernels without programmatic dependent launch (Hopper and later; process-wide)."
         },
     )
+    disable_custom_all_reduce: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "Tensor parallelism on CUDA: NCCL for every all-reduce instead of the peer-memory kernels for"
+                " small ones (engine/parallel/allreduce.py)."
+            )
+        },
+    )
     cuda_graph_max_bs: Optional[int] = field(
         default=None,
         metadata={

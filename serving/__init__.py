@@ -8,6 +8,8 @@ Data flow and owners:
               completions.py  /v1/completions   prompt(s) → ids
               chat.py         /v1/chat/completions  messages (+ tools, tool_calls.py) → chat template → ids
             generate_routes.py  SGLang /generate, /health, /metrics (metrics.py)
+            responses.py    /v1/responses (+ GET/DELETE; response_store.py)  ┐ translated to a chat request,
+            anthropic.py    /v1/messages, /v1/messages/count_tokens        ┘ run by chat_bridge.py
          ─▶ state.py          model check, context check, OpenAI body → engine SamplingParams
               lifetime.py     each request's deadline (`timeout`, the server's default) and the drain
          ─▶ streams.py        GenerationStream: one backend stream per prompt, primed (rejections are
@@ -18,6 +20,6 @@ Data flow and owners:
          ◀─ chat_stream.py / completions.py: StreamOutputs → JSON or SSE chunks; protocol.py models
 
 Tokenize once, here (docs/design.md): backends see token ids only. Errors leave as OpenAI error bodies
-(errors.py). `python -m serving --model PATH` runs the single-node server (__main__.py; server.py:
-uvicorn with a graceful drain on SIGTERM).
+(errors.py), Anthropic's under /v1/messages (anthropic.AnthropicErrorShape). `python -m serving --model PATH`
+runs the single-node server (__main__.py; server.py: uvicorn with a graceful drain on SIGTERM).
 """

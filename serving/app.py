@@ -19,12 +19,13 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serving import generate_routes, openai_routes
+from serving import anthropic, generate_routes, openai_routes, responses
 from serving.backend import ServingBackend
 from serving.errors import error_response, install_error_handlers
 from serving.lifetime import Lifetimes
 from serving.metrics import Metrics
 from serving.ratelimit import RateLimit, RateLimiter, RateLimits
+from serving.response_store import LocalResponseStore, ResponseStore
 from serving.state import ServingState
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -44,6 +45,7 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     title: str = "radixserve",
     own_auth_prefixes: Tuple[str, ...] = (),
+    response_store: Optional[ResponseStore] = None,
     request_timeout_s: Optional[float] = DEFAULT_REQUEST_TIMEOUT_S,
     rate_limits: Optional[RateLimits] = None,
     cors_origins: Sequence[str] = (),
@@ -54,6 +56,7 @@ def build_app(
     /health and /metrics (OPEN_PATHS: probes and scrapers carry no key) and routes under
     `own_auth_prefixes`, which check a key of their own (the cluster's admin routes).
     `max_body_bytes`: larger bodies get a 413.
+    `response_store`: where /v1/responses keeps stored responses (None: a LocalResponseStore of its own).
     `request_timeout_s`: the default deadline of every request, queueing included (None: none); a
     request's own `timeout` can only shorten it. `app.state.serving.lifetimes.drain(grace_s)` starts
     a drain (serving/lifetime.py).
@@ -75,6 +78,9 @@ def build_app(
     install_error_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(generate_routes.router)
+    app.include_router(responses.router)
+    app.include_router(anthropic.router)
+    app.state.response_store = response_store if response_store is not None else LocalResponseStore()
     app.state.rate_limiter = None
     if rate_limits is not None and rate_limits.enabled:  # inside the key check: only known keys count
         app.state.rate_limiter = RateLimiter(rate_limits)
@@ -82,6 +88,7 @@ def build_app(
     if api_key:
         app.add_middleware(_ApiKeyAuth, api_key=api_key, exempt_prefixes=own_auth_prefixes)
     app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(anthropic.AnthropicErrorShape)  # outside every layer that may answer an error
     app.add_middleware(_RequestMetrics, metrics=metrics)
     if cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"], allow_headers=["*"])
@@ -99,19 +106,24 @@ OPEN_PATHS = ("/health", "/metrics")
 
 
 class _ApiKeyAuth:
+    """`Authorization: Bearer <key>`, or `x-api-key: <key>` (what Anthropic's clients send)."""
+
     def __init__(self, app: ASGIApp, api_key: str, exempt_prefixes: Tuple[str, ...]):
         self.app, self.expected, self.exempt = app, f"Bearer {api_key}".encode(), exempt_prefixes
+        self.expected_header = api_key.encode()
 
     def _protected(self, path: str) -> bool:
         return path not in OPEN_PATHS and not any(path.startswith(p) for p in self.exempt)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self._protected(scope["path"]):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            headers = dict(scope["headers"])
+            given, given_header = headers.get(b"authorization", b""), headers.get(b"x-api-key", b"")
+            bearer_ok = hmac.compare_digest(given, self.expected)
+            if not (bearer_ok or hmac.compare_digest(given_header, self.expected_header)):
                 resp = error_response(
                     401,
-                    "invalid or missing API key (send Authorization: Bearer <key>)",
+                    "invalid or missing API key (send Authorization: Bearer <key> or x-api-key: <key>)",
                     None,
                     "invalid_api_key",
                     headers={"WWW-Authenticate": "Bearer"},

@@ -38,7 +38,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serving.errors import APIError, error_response
 
-LIMITED_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate")
+LIMITED_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate", "/v1/responses", "/v1/messages")
 """Routes that generate: each request counts. Listing models, tokenize and detokenize are not limited."""
 
 MAX_KEYS = 100_000
@@ -210,7 +210,8 @@ class RateLimit:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in LIMITED_PATHS:
             await self.app(scope, receive, send)
             return
-        auth = dict(scope["headers"]).get(b"authorization", b"")
+        headers = dict(scope["headers"])
+        auth = headers.get(b"authorization") or headers.get(b"x-api-key", b"")  # x-api-key: Anthropic's clients
         key = auth.decode("latin-1")
         key = key[len("Bearer ") :] if key.startswith("Bearer ") else key
         try:

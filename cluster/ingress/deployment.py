@@ -10,6 +10,7 @@ from ray import serve
 from cluster.ingress.backend import ClusterBackend
 from cluster.ingress.disaggregated import DisaggregatedBackend
 from cluster.ingress.metrics import WorkerGauges
+from cluster.ingress.response_store import RouterResponseStore
 
 
 @serve.ingress()
@@ -80,6 +81,7 @@ class Ingress:
             max_body_bytes=self.max_body_bytes,
             title="radixserve cluster",
             own_auth_prefixes=own_auth,
+            response_store=RouterResponseStore(self.backend.router),  # one store for every ingress replica
             request_timeout_s=self.request_timeout_s,
             rate_limits=self.rate_limits,
             cors_origins=parse_origins(self.cors_origins),

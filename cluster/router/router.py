@@ -16,6 +16,8 @@ mode, `prefill` and `decode` in disaggregated mode.
                         operator's settings; drained replicas are left out of the routing set
     ingress ──stats()──▶ ClusterStats (GET /router/stats, /metrics)
     ingress ──admin_*()──▶ PoolScaler (GET/POST /admin/*, cluster/ingress/admin.py)
+    ingress ──store_response / stored_response / delete_response──▶ the cluster's stored Responses API
+                        responses (one LRU for every ingress replica; cluster/ingress/response_store.py)
 
 One replica, one event loop: ClusterState is not thread-safe and every method here runs on the
 replica's loop. Token streams never pass through here.
@@ -38,6 +40,7 @@ from cluster.router.state import RouterConfig, WorkerState
 from cluster.scaling.loop import PoolScaler
 from cluster.scaling.models import AdminError, ClusterPools, PoolStatus, ReplicaStatus, ScaleRequest
 from cluster.scaling.policy import ScalingConfig
+from serving.response_store import LruResponses, StoredResponse
 
 logger = logging.getLogger("ray.serve")
 
@@ -145,6 +148,8 @@ class RouterDeployment:
         self._membership_changes = 0
         self._ingress = IngressTotals()
         self.scaler = PoolScaler.in_replica(scaling, self.pools) if scaling is not None else None
+        self.responses = LruResponses()
+        """Stored /v1/responses responses (serving/response_store.py bounds); lost if this replica restarts."""
         self._loop_task = asyncio.get_running_loop().create_task(self._control_loop())
 
     # --- requests from the ingress -------------------------------------------------------------
@@ -200,6 +205,17 @@ class RouterDeployment:
             self._ingress.observe(timing)
         if self.scaler is not None:
             self.scaler.observe(pool, timing)
+
+    # --- stored Responses API responses (cluster/ingress/response_store.py) ----------------------------
+
+    def store_response(self, response_id: str, stored: StoredResponse) -> None:
+        self.responses.put(response_id, stored)
+
+    def stored_response(self, response_id: str) -> Optional[StoredResponse]:
+        return self.responses.get(response_id)
+
+    def delete_response(self, response_id: str) -> bool:
+        return self.responses.delete(response_id)
 
     # --- admin API (cluster/ingress/admin.py → PoolScaler) ---------------------------------------------
 

@@ -333,6 +333,8 @@ class PoolScaler:
                     in_flight=ws.in_flight if ws else 0,
                     routed_requests=ws.routed_requests if ws else 0,
                     generated_tokens=int(s.get("generated_tokens", 0)),
+                    gpus=s.get("gpus"),
+                    tensor_parallel_size=int(s["tensor_parallel_size"]) if "tensor_parallel_size" in s else None,
                 )
             )
         return out

@@ -32,6 +32,14 @@ class ReplicaStatus(BaseModel):
     in_flight: int = 0
     routed_requests: int = 0
     generated_tokens: int = 0
+    gpus: Optional[float] = Field(
+        None,
+        description="GPUs Ray reserved for the replica (ClusterArgs num_gpus: one per tensor-parallel rank; "
+        "0: CPU); None until its first report.",
+    )
+    tensor_parallel_size: Optional[int] = Field(
+        None, description="Ranks the replica's model is split over; None until its first report."
+    )
 
 
 class PoolSample(BaseModel):

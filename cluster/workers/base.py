@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Dict, List, Optional, Set
 
+import ray
 from ray import serve
 
 logger = logging.getLogger("ray.serve")
@@ -118,6 +119,12 @@ class WorkerBase:
         self._served: collections.deque = collections.deque(maxlen=4096)
         """rids of recent requests (the pinning proof reads them)."""
         self._first_output = {"first_output_s": 0.0, "first_output_requests": 0}
+        reserved = ray.get_runtime_context().get_assigned_resources()
+        self._placement = {
+            "gpus": float(reserved.get("GPU", 0.0)),
+            "tensor_parallel_size": float(self.engine.config.tensor_parallel_size),
+        }
+        """This replica's GPUs (Ray's reservation: its rank processes use them) and ranks, in every report."""
         """Sum over requests of submit → first output handed to its channel (this replica's share of the
         TTFT: with the client's TTFT it splits time inside the worker from ingress, router and transport)."""
 
@@ -187,8 +194,8 @@ class WorkerBase:
         return {**await self.engine.stats_async(), **self._extra_stats()}
 
     def _extra_stats(self) -> Dict[str, float]:
-        """Counters of this replica beside the engine's (reported with them)."""
-        return dict(self._first_output)
+        """Counters of this replica beside the engine's (reported with them), and its placement."""
+        return {**self._first_output, **self._placement}
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(self.replica_id, self.engine.context_len, self.engine.vocab_size)

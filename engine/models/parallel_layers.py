@@ -42,7 +42,24 @@ class RowParallelLinear(Linear):
         return TensorSlice(1, *self.in_range) if attr == "weight" else None
 
 
-class VocabParallelEmbedding(nn.Module):
+class _VocabShardRows:
+    """What the loader needs of a layer whose `weight` rows are a vocabulary shard (`shard`) plus zero padding."""
+
+    shard: VocabShard
+    weight: nn.Parameter
+
+    def source_slice(self, attr: str) -> Optional[TensorSlice]:
+        return TensorSlice(0, self.shard.start, self.shard.end)
+
+    def target_rows(self, attr: str) -> Tuple[int, int]:
+        """Rows of `weight` the checkpoint slice fills; the padding rows after them stay zero."""
+        return 0, self.shard.num_valid
+
+    def zero_padding(self) -> None:
+        self.weight.data[self.shard.num_valid :].zero_()
+
+
+class VocabParallelEmbedding(_VocabShardRows, nn.Module):
     """Rows of this rank's vocabulary shard, `weight` (shard.padded, hidden) with zero padding rows.
 
     forward: ids (T,) -> (T, hidden), each row from the rank that holds its id, all-reduced (exact: the
@@ -60,31 +77,11 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(torch.where(inside, local, 0), self.weight)
         return self.tp.all_reduce(out.masked_fill_(~inside[:, None], 0.0))
 
-    def source_slice(self, attr: str) -> Optional[TensorSlice]:
-        return TensorSlice(0, self.shard.start, self.shard.end)
 
-    def target_rows(self, attr: str) -> Tuple[int, int]:
-        """Rows of `weight` the checkpoint slice fills; the padding rows after them stay zero."""
-        return 0, self.shard.num_valid
-
-    def zero_padding(self) -> None:
-        self.weight.data[self.shard.num_valid :].zero_()
-
-
-class VocabParallelLMHead(Linear):
+class VocabParallelLMHead(_VocabShardRows, Linear):
     """The output embedding's rows of this rank's vocabulary shard, (shard.padded, hidden), zero padding."""
 
     def __init__(self, hidden_size: int, vocab_size: int, tp: TensorParallel):
         shard = vocab_shard(vocab_size, tp.rank, tp.size)
         super().__init__(hidden_size, shard.padded, bias=False)
         self.shard: VocabShard = shard
-
-    def source_slice(self, attr: str) -> Optional[TensorSlice]:
-        return TensorSlice(0, self.shard.start, self.shard.end)
-
-    def target_rows(self, attr: str) -> Tuple[int, int]:
-        """Rows of `weight` the checkpoint slice fills; the padding rows after them stay zero."""
-        return 0, self.shard.num_valid
-
-    def zero_padding(self) -> None:
-        self.weight.data[self.shard.num_valid :].zero_()

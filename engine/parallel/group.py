@@ -8,6 +8,10 @@ Two process groups join the same ranks:
     control   rank 0's step plans, host tensors (engine.parallel.step), and start-up agreements: gloo; its
               timeout is IDLE_TIMEOUT, because a follower waits on it for as long as the engine is idle
 
+On CUDA, `enable_peer_all_reduce` adds a PeerAllReduce (engine.parallel.allreduce): the forward's small
+all-reduces then run over NVLink peer memory, larger ones over NCCL. Both kinds can be captured in CUDA
+graphs.
+
 A rank that dies closes its gloo connections, so the collective waiting on it fails at once; on rank 0,
 `guard()` turns that failure into a TensorParallelError naming the dead rank (engine.parallel.launch
 watches the processes). torch.distributed keeps one default group per process, so a process holds at most
@@ -19,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from datetime import timedelta
-from typing import TYPE_CHECKING, Iterator, List, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,6 +31,7 @@ import torch.distributed as dist
 from engine.errors import InvalidConfigError, TensorParallelError
 
 if TYPE_CHECKING:  # pragma: no cover
+    from engine.parallel.allreduce import PeerAllReduce
     from engine.parallel.launch import RankProcesses
 
 logger = logging.getLogger(__name__)
@@ -87,20 +92,41 @@ class TPGroup:
         )
         self.compute = dist.group.WORLD
         self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        self.peer: Optional["PeerAllReduce"] = None
+        """Peer-memory all-reduce for small tensors (enable_peer_all_reduce); None: NCCL or gloo for all."""
         self._closed = False
         if processes is not None:
             processes.on_failure = self._abort_compute
 
+    def enable_peer_all_reduce(self, dtype: torch.dtype) -> bool:
+        """CUDA: route small all-reduces of `dtype` through peer memory from now on (a collective: every rank
+        calls it at the same point). False, with a warning, where the GPUs cannot map each other's memory
+        (NCCL then takes every all-reduce)."""
+        from engine.parallel.allreduce import PeerAllReduce, PeerMemoryUnavailable  # noqa: PLC0415  (CUDA only)
+
+        if self.backend != "nccl":
+            return False
+        try:
+            self.peer = PeerAllReduce(self.compute, self.device, dtype)
+        except PeerMemoryUnavailable as exc:
+            logger.warning("%s: all-reduces use NCCL", exc)
+            return False
+        return True
+
     # ---- collectives of a forward (TensorParallel) ----------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.peer is not None and self.peer.can_run(x):
+            return self.peer(x)
         dist.all_reduce(x, group=self.compute)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.contiguous()
-        parts: List[torch.Tensor] = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x, group=self.compute)
-        return torch.cat(parts, dim=-1)
+        n = x.shape[-1]
+        rows = x.reshape(-1, n).contiguous()
+        parts = torch.empty((self.size * rows.shape[0], n), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(parts, rows, group=self.compute)  # rank r's rows at [r * R, (r + 1) * R)
+        gathered = parts.view(self.size, rows.shape[0], n).permute(1, 0, 2)
+        return gathered.reshape(*x.shape[:-1], self.size * n)
 
     # ---- rank 0 → every rank ---------------------------------------------------------------------
     def broadcast_compute(self, x: torch.Tensor) -> None:

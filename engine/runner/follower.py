@@ -39,11 +39,16 @@ def follow(runner: ModelRunner) -> None:
 @torch.inference_mode()
 def run_step(runner: ModelRunner, step: StepInputs) -> None:
     """One of rank 0's steps: its table writes, the forward, and the compute_logits calls rank 0 makes after
-    it (to join their all-gathers; only rank 0 samples)."""
+    it (to join their all-gathers; only rank 0 samples). A DECODE step rank 0 runs as a CUDA graph replays
+    this rank's graph of the same size (forward and logits, collectives included)."""
     if step.table_edits.numel():
         runner.req_to_token_pool.write_positions(*step.table_edits)
     fb = step.forward_batch
     fb.attn_backend = runner.backend_for(fb)  # the kernels rank 0 runs for this step
+    graphs = runner.graph_runner
+    if graphs is not None and graphs.can_run(fb):  # rank 0 replays its graph of this size: so does this rank
+        graphs.replay(fb)
+        return
     fb.attn_backend.init_forward_metadata(fb)
     hidden = runner.model(fb)
     for start, n in step.logit_segments:

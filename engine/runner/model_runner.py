@@ -8,7 +8,7 @@ Memory layout decided here: KV pool capacity (from `max_total_tokens`, or from t
 device memory left after the weights, an activation estimate and the share that
 `mem_fraction_static` keeps free), the ReqToTokenPool rows and the page allocator.
 On CUDA, DECODE batches replay captured CUDA graphs (engine/runner/cuda_graph.py)
-unless `disable_cuda_graph`.
+unless `disable_cuda_graph`, with or without tensor parallelism.
 
 Tensor parallelism (`tensor_parallel_size` N > 1, engine.parallel): the engine core's runner is rank 0. It
 starts ranks 1..N-1 (engine/runner/follower.py: a ModelRunner each, built with their TPGroup) and, before
@@ -95,6 +95,8 @@ class ModelRunner:
 
     def _init_device_state(self) -> None:
         self._init_model()
+        if self.tp is not None and self.device.type == "cuda" and not self.config.disable_custom_all_reduce:
+            self.tp.enable_peer_all_reduce(self.dtype)
         self._init_memory()
         self._init_attention_backend()
 
@@ -237,14 +239,9 @@ class ModelRunner:
         if name == "flashinfer" and self.config.triton_decode_max_bs > 0:
             self.small_decode_backend = get_backend_class("triton")(*args, m.head_dim**-0.5)
         self.graph_runner = None
-        # Tensor parallelism decodes eagerly: the graphs would have to capture the forward's collectives
-        # (NCCL inside CUDA graphs), which is not handled yet.
-        if (
-            self.device.type == "cuda"
-            and self.tp is None
-            and not self.config.disable_cuda_graph
-            and self.attn_backend.supports_cuda_graph
-        ):
+        # Tensor-parallel ranks capture the same graphs in the same order: the forward's collectives
+        # (peer-memory or NCCL all-reduces, the logits' all-gather) are captured with it.
+        if self.device.type == "cuda" and not self.config.disable_cuda_graph and self.attn_backend.supports_cuda_graph:
             from engine.runner.cuda_graph import CudaGraphRunner  # noqa: PLC0415
 
             max_bs = self.config.cuda_graph_max_bs or min(self.config.max_running_requests, 256)
@@ -290,6 +287,8 @@ class ModelRunner:
         fb.attn_backend = self.backend_for(fb)
         reqs = batch.sampled_reqs
         if self.graph_runner is not None and self.graph_runner.can_run(fb):
+            if self.tp is not None:
+                self._send_step(fb, [], len(reqs))
             logits = self.graph_runner.replay(fb)  # DECODE: every request is sampled, no prompt logprobs
             prompt_logprobs = {}
         else:

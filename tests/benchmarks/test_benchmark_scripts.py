@@ -36,6 +36,8 @@ def run_script(name, *args):
         "bench_gemv.py",
         "bench_frontend.py",
         "bench_online.py",
+        "bench_tp.py",
+        "bench_allreduce.py",
     ],
 )
 def test_help(name):

@@ -94,6 +94,14 @@ def test_dashboard_renders_live_figures_and_scales_a_pool(page, http):
     (rid,) = running_ids(pool(http))
     page.wait_for_selector(f'section.pool[data-pool="unified"] tr[data-replica="{rid}"]', timeout=30_000)
     assert card.locator(f'tr[data-replica="{rid}"] td').nth(1).inner_text() == "running"
+    # its GPUs, from its own reports: none on this CPU cluster, one rank
+    replica = wait_for(
+        lambda: next((r for r in pool(http)["replicas"] if r["replica_id"] == rid and r["gpus"] is not None), None),
+        30,
+        "the replica's first report",
+    )
+    assert (replica["gpus"], replica["tensor_parallel_size"]) == (0.0, 1)
+    wait_for(lambda: card.locator(f'tr[data-replica="{rid}"] td').nth(2).inner_text() == "CPU", 30, "the GPUs cell")
     assert card.locator('[data-field="ready_replicas"]').inner_text() == "1"
     assert card.locator('[data-field="kv_usage"]').inner_text().endswith("%")
     for i in range(3):  # traffic now, so the page shows fresh TTFT / ITL figures (a 10 s window)

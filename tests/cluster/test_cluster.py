@@ -88,6 +88,59 @@ def test_openai_completion_chat_and_stream(cluster):
     assert [m.id for m in models.data] == [MODEL]
 
 
+def test_responses_and_anthropic_messages(cluster):
+    """/v1/responses (plain, streamed, a function tool, previous_response_id, the store in the router
+    deployment) and Anthropic's /v1/messages (plain, streamed, tool use) through the cluster's ingress."""
+    import anthropic
+    import openai
+
+    client = openai.OpenAI(base_url=f"{cluster}/v1", api_key="unused", max_retries=0, timeout=120)
+    ask = "My name is Alice. Say hello to me."
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": ask}], max_tokens=8, temperature=0
+    )
+    first = client.responses.create(model=MODEL, input=ask, max_output_tokens=8, temperature=0)
+    assert first.output_text == chat.choices[0].message.content
+    events = list(
+        client.responses.create(model=MODEL, input=ask, max_output_tokens=8, temperature=0, stream=True, store=False)
+    )
+    assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
+    assert events[-1].response.output_text == first.output_text
+    second = client.responses.create(
+        model=MODEL, previous_response_id=first.id, input="What is my name?", max_output_tokens=8, temperature=0
+    )
+    assert second.output_text and second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert client.responses.retrieve(first.id).output_text == first.output_text  # kept by the router deployment
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    weather = {
+        "type": "function",
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+    call = client.responses.create(
+        model=MODEL, input="Weather in Paris?", tools=[weather], tool_choice="required", max_output_tokens=32
+    ).output[0]
+    assert call.type == "function_call" and call.name == "get_weather" and "city" in json.loads(call.arguments)
+
+    claude = anthropic.Anthropic(base_url=cluster, api_key="unused", max_retries=0, timeout=120)
+    greedy = {"model": MODEL, "max_tokens": 8, "extra_body": {"temperature": 0}}
+    message = claude.messages.create(**greedy, messages=[{"role": "user", "content": ask}])
+    assert message.content[0].text == chat.choices[0].message.content
+    with claude.messages.stream(**greedy, messages=[{"role": "user", "content": ask}]) as stream:
+        assert "".join(stream.text_stream) == message.content[0].text
+    tool = {"name": "get_weather", "input_schema": weather["parameters"]}
+    use = claude.messages.create(
+        model=MODEL,
+        max_tokens=32,
+        tools=[tool],
+        tool_choice={"type": "any"},
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+    )
+    assert use.stop_reason == "tool_use" and use.content[0].name == "get_weather" and "city" in use.content[0].input
+
+
 def test_greedy_output_equals_engine(http, default_engine):
     prompts = ["The capital of France is", "def fibonacci(n):\n", "Q: What is 12 times 7?\nA:"]
     for prompt in prompts:

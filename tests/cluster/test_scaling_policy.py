@@ -1,5 +1,6 @@
 """Pool sizing logic without Ray: PoolController decisions, ScaleRequest validation, latency
-windows and the ingress's request clock. The cluster tests (test_admin*.py) run it for real."""
+windows, the ingress's request clock and the replica status the scaler reports. The cluster tests
+(test_admin*.py) run it for real."""
 
 from types import SimpleNamespace
 
@@ -116,6 +117,33 @@ def test_scaling_config_follows_cluster_args():
         ("prefill", "Prefill", 1, None),
         ("decode", "Decode", 2, None),
     ]
+
+
+def test_replica_status_shows_the_gpus_each_replica_reported():
+    """A replica's GPUs and tensor-parallel ranks (WorkerBase reports Ray's reservation and the engine's
+    tensor_parallel_size with its stats) reach the admin API's ReplicaStatus; None until it reports."""
+    from cluster import membership
+    from cluster.scaling.loop import PoolScaler
+
+    deployment_id = SimpleNamespace(app_name="unit-gpus", name="Worker")
+    membership.publish(deployment_id, ids=frozenset({"r-tp4", "r-new"}))
+    reports = {"r-tp4": {"running": 2.0, "gpus": 4.0, "tensor_parallel_size": 4.0}}
+    pool = SimpleNamespace(  # the router deployment's pool as the scaler reads it (ScaledPool)
+        handle=None,
+        deployment_id=deployment_id,
+        routed_workers=dict,
+        engine_reports=lambda: reports,
+        resync_members=lambda: None,
+    )
+    scaler = PoolScaler(scaling_config(ClusterArgs(workers=2)), {"unified": pool}, "unit-gpus")
+    status = scaler.pool_status("unified").model_dump(mode="json")
+    replicas = {r["replica_id"]: r for r in status["replicas"]}
+    assert (replicas["r-tp4"]["gpus"], replicas["r-tp4"]["tensor_parallel_size"], replicas["r-tp4"]["running"]) == (
+        4.0,
+        4,
+        2,
+    )
+    assert (replicas["r-new"]["gpus"], replicas["r-new"]["tensor_parallel_size"]) == (None, None)
 
 
 def test_latency_window_and_histogram():

@@ -285,6 +285,16 @@ def test_pool_groups_follow_the_values(helm):
         (["--set", "serveArgs.api_key=k"], "set auth.apiKey (kept in a Secret)"),
         (["--set", "auth.apiKey=same", "--set", "auth.adminKey=same"], "auth.adminKey must differ from auth.apiKey"),
         (["--set", "auth.apiKey=k", "--set", "auth.existingSecret=s"], "auth.existingSecret is set"),
+        (["--set", "pools.unified.tensorParallelSize=0"], "/pools/unified/tensorParallelSize': minimum: got 0, want 1"),
+        (
+            ["--set", "mode=disaggregated", "--set", "pools.decode.tensorParallelSize=2"],
+            "pools.decode.tensorParallelSize (2): tensor parallelism is not supported with mode: disaggregated",
+        ),
+        (
+            ["--set", "pools.unified.tensorParallelSize=2", "--set", "replica.numGpus=2"],
+            "replica.numGpus (2) is GPUs per tensor-parallel rank",
+        ),
+        (["--set", "serveArgs.tensor_parallel_size=4"], "set pools.<pool>.tensorParallelSize instead"),
     ],
 )
 def test_invalid_values_fail_with_a_clear_message(helm, args, message):
@@ -417,6 +427,51 @@ def test_default_values_build_the_app(helm):
     (rs,) = by_kind(render(helm))["RayService"]
     validate_rayservice(rs)
     check_serve_config(rs)
+
+
+def test_tensor_parallel_pool_puts_each_replica_on_one_pod(helm, tmp_path):
+    """A TP=4 unified pool of Llama-3.1-70B (its real config, dummy weights): every worker pod
+    requests 4 GPUs (Kubernetes) and offers 4 to Ray, the Serve replica reserves 4, ClusterArgs get
+    tensor_parallel_size=4, and the RayService and pods validate; with two replicas per pod, 8.
+    The worker pods (not the head) get a memory-backed /dev/shm for the ranks."""
+    import shutil
+
+    model = tmp_path / "llama-3.1-70b"  # ClusterArgs checks the model folder exists (config only)
+    model.mkdir()
+    shutil.copy(REPO / "benchmarks" / "configs" / "llama-3.1-70b.json", model / "config.json")
+    for per_pod in (1, 2):
+        (rs,) = by_kind(
+            render(
+                helm,
+                *("--set", "pools.unified.tensorParallelSize=4", "--set", "pools.unified.replicas=3"),
+                *("--set", f"pools.unified.replicasPerPod={per_pod}", "--set", f"model.path={model}"),
+                *("--set", "serveArgs.load_format=dummy"),
+            )
+        )["RayService"]
+        validate_rayservice(rs)
+        (group,) = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+        kubernetes_validate.validate(
+            {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "unified"}, "template": group["template"]},
+            K8S_VERSION,
+            strict=True,
+        )
+        gpus = 4 * per_pod
+        res = group["template"]["spec"]["containers"][0]["resources"]
+        assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == str(gpus)
+        assert group["rayStartParams"]["num-gpus"] == str(gpus)
+        assert group["replicas"] == -(-3 // per_pod)
+        spec = group["template"]["spec"]
+        assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in spec["volumes"]
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in spec["containers"][0]["volumeMounts"]
+        assert "volumes" not in pod_templates(rs)["head"]["spec"]
+
+        args = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]
+        assert (args["tensor_parallel_size"], args["num_gpus"], args["model"]) == (4, 4, str(model))
+        final = check_serve_config(rs)  # also: the replica fits the unified group's pods only
+        need = final["Worker"].replica_config.resource_dict
+        assert need["GPU"] == 4
+        offer = autoscaler_node_types(rs)["unified"]["resources"]
+        assert offer["GPU"] == gpus and replicas_per_node(need, offer) == per_pod
 
 
 def test_kuberay_manifest_is_valid_and_builds_the_app():

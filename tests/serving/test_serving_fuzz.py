@@ -23,11 +23,13 @@ def _cheap(body):
     body = dict(body)
     if isinstance(body.get("model"), str):
         body["model"] = MODEL
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         if isinstance(body.get(key), int) and not isinstance(body.get(key), bool):
             body[key] = min(body[key], MAX_TOKENS)
     if "messages" in body and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_completion_tokens"] = MAX_TOKENS
+    if "input" in body and body.get("max_output_tokens") is None:  # /v1/responses
+        body["max_output_tokens"] = MAX_TOKENS
     if "prompt" in body and "max_tokens" not in body:
         body["max_tokens"] = MAX_TOKENS
     if isinstance(body.get("n"), int) and not isinstance(body.get("n"), bool):
@@ -85,6 +87,9 @@ def test_openapi_fuzz_no_server_errors(default_engine):
             def check(case):
                 case.body = _cheap(case.body)
                 response = case.call(base_url=url, timeout=60)
+                own_deadline = isinstance(case.body, dict) and case.body.get("timeout") is not None
+                if response.status_code == 504 and own_deadline:
+                    return  # the documented answer to a request whose own `timeout` passed (e.g. 5e-324 s)
                 if response.status_code >= 500:
                     failures.append((op.label, case.body, response.status_code, response.text[:300]))
 

@@ -183,6 +183,9 @@ def test_every_route_but_health_and_metrics_needs_the_key(secure_url):
         for method, path in routes + [("GET", "/docs"), ("GET", "/nosuchroute")]:
             if path in ("/health", "/metrics"):
                 assert c.request(method, path).status_code == 200
+            elif path.startswith("/v1/messages"):  # Anthropic's routes answer in Anthropic's error shape
+                r = c.request(method, path, json={})
+                assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
             else:
                 assert_error(c.request(method, path, json={}), 401)
 

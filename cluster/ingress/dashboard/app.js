@@ -135,13 +135,20 @@ function render(pool) {
   CHARTS.forEach((spec, i) => drawChart(c.canvases[i], pool.history, spec));
 }
 
+// A replica's GPUs: "4 (TP 4)" for four tensor-parallel ranks on four GPUs, "CPU", "–" before its first report.
+function gpus(r) {
+  if (r.gpus === null || r.gpus === undefined) return "–";
+  const where = r.gpus > 0 ? String(r.gpus) : "CPU";
+  return r.tensor_parallel_size > 1 ? `${where} (TP ${r.tensor_parallel_size})` : where;
+}
+
 function renderReplicas(node, pool) {
   const body = $("tbody", node);
   body.textContent = "";
   for (const r of pool.replicas) {
     const tr = document.createElement("tr");
     tr.dataset.replica = r.replica_id;
-    const cells = [r.replica_id, r.state, r.running, r.waiting, fmt(r.kv_usage, "kv_usage"),
+    const cells = [r.replica_id, r.state, gpus(r), r.running, r.waiting, fmt(r.kv_usage, "kv_usage"),
                    fmt(r.cache_hit_rate, "cache_hit_rate"), r.routed_requests];
     for (const v of cells) {
       const td = document.createElement("td");

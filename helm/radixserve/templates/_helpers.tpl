@@ -58,3 +58,17 @@ unified: Worker
 {{- $a := int .a }}{{ $b := int .b }}
 {{- div (add $a (sub $b 1)) $b }}
 {{- end }}
+
+{{/* The tensor-parallel size of the mode's pools (ClusterArgs tensor_parallel_size, one for all
+     pools): unified's, or prefill's in disaggregated mode (_validate.tpl keeps prefill and decode
+     at 1 there, as ClusterArgs does). */}}
+{{- define "radixserve.tensorParallelSize" -}}
+{{- $pool := ternary "prefill" "unified" (eq .Values.mode "disaggregated") }}
+{{- int (index .Values.pools $pool).tensorParallelSize }}
+{{- end }}
+
+{{/* GPUs one worker replica reserves: replica.numGpus per tensor-parallel rank (ClusterArgs num_gpus,
+     the Serve replica's num_gpus). */}}
+{{- define "radixserve.replicaGpus" -}}
+{{- mul (int .Values.replica.numGpus) (include "radixserve.tensorParallelSize" . | int) }}
+{{- end }}

@@ -19,7 +19,16 @@
 {{- end }}
 {{- end }}
 
-{{/* Pod spec fields besides containers: (dict "root" $ "spec" <head or pool values>). */}}
+{{/* Whether a pod gets a memory-backed /dev/shm: (dict "root" $ "ranks" <tensor-parallel size>).
+     The ranks of a tensor-parallel replica share host memory through /dev/shm (NCCL, PyTorch), and
+     a container's own is 64 MiB; skipped when extraVolumeMounts mount /dev/shm themselves. */}}
+{{- define "radixserve.devShm" -}}
+{{- $own := false }}
+{{- range .root.Values.extraVolumeMounts }}{{ if eq (trimSuffix "/" .mountPath) "/dev/shm" }}{{ $own = true }}{{ end }}{{ end }}
+{{- if and (gt (int .ranks) 1) (not $own) }}true{{ end }}
+{{- end }}
+
+{{/* Pod spec fields besides containers: (dict "root" $ "spec" <head or pool values> "shm" <devShm>). */}}
 {{- define "radixserve.podSpecCommon" -}}
 {{- $v := .root.Values }}
 {{- with $v.imagePullSecrets }}
@@ -45,25 +54,35 @@ tolerations:
 affinity:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with $v.extraVolumes }}
+{{- $volumes := default list $v.extraVolumes }}
+{{- if .shm }}
+{{- $volumes = append $volumes (dict "name" "dshm" "emptyDir" (dict "medium" "Memory")) }}
+{{- end }}
+{{- with $volumes }}
 volumes:
   {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- end }}
 
-{{/* Container fields shared by head and workers: image, env, mounts, security context. */}}
+{{/* Container fields shared by head and workers: image, env, mounts, security context:
+     (dict "root" $ "shm" <devShm>). */}}
 {{- define "radixserve.containerCommon" -}}
-image: {{ include "radixserve.image" . }}
-imagePullPolicy: {{ .Values.image.pullPolicy }}
-{{- with (include "radixserve.env" . | trim) }}
+{{- $v := .root.Values }}
+image: {{ include "radixserve.image" .root }}
+imagePullPolicy: {{ $v.image.pullPolicy }}
+{{- with (include "radixserve.env" .root | trim) }}
 env:
   {{- . | nindent 2 }}
 {{- end }}
-{{- with .Values.extraVolumeMounts }}
+{{- $mounts := default list $v.extraVolumeMounts }}
+{{- if .shm }}
+{{- $mounts = append $mounts (dict "name" "dshm" "mountPath" "/dev/shm") }}
+{{- end }}
+{{- with $mounts }}
 volumeMounts:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .Values.containerSecurityContext }}
+{{- with $v.containerSecurityContext }}
 securityContext:
   {{- toYaml . | nindent 2 }}
 {{- end }}

@@ -5,7 +5,8 @@ chosen mode's keys are rendered. The API / admin keys are not here: ClusterArgs 
 pods' environment (RADIXSERVE_API_KEY / RADIXSERVE_ADMIN_KEY, from the Secret).
 
 `deployments:` overrides only ray_actor_options of the pool deployments, adding the pool's custom
-resource (radixserve_<pool>) to the num_cpus / num_gpus the builder sets from the same values. Serve
+resource (radixserve_<pool>) to the num_cpus / num_gpus the builder sets from the same values
+(num_gpus: replica.numGpus x tensorParallelSize, every rank's GPU in the one replica actor). Serve
 replaces ray_actor_options as a whole, so the override repeats them (tests/test_helm.py checks the
 override against the builder's own options).
 */}}
@@ -26,7 +27,9 @@ itl_target_ms: {{ .itlTargetMs }}
 
 {{- define "radixserve.serveArgs" -}}
 {{- $v := .Values }}
-{{- $args := dict "mode" $v.mode "policy" $v.policy "num_cpus" $v.replica.numCpus "num_gpus" $v.replica.numGpus }}
+{{- $args := dict "mode" $v.mode "policy" $v.policy "num_cpus" $v.replica.numCpus }}
+{{- $_ := set $args "num_gpus" (include "radixserve.replicaGpus" . | int) }}
+{{- $_ := set $args "tensor_parallel_size" (include "radixserve.tensorParallelSize" . | int) }}
 {{- with $v.model.path }}{{ $_ := set $args "model" . }}{{ end }}
 {{- with $v.model.servedName }}{{ $_ := set $args "served_model_name" . }}{{ end }}
 {{- if eq $v.mode "disaggregated" }}
@@ -57,7 +60,7 @@ itl_target_ms: {{ .itlTargetMs }}
 {{- $overrides := list }}
 {{- range $pool, $deployment := include "radixserve.pools" . | fromYaml }}
 {{- $resources := dict (include "radixserve.poolResource" $pool) 1 }}
-{{- $options := dict "num_cpus" $v.replica.numCpus "num_gpus" $v.replica.numGpus "resources" $resources }}
+{{- $options := dict "num_cpus" $v.replica.numCpus "num_gpus" (include "radixserve.replicaGpus" $ | int) "resources" $resources }}
 {{- $overrides = append $overrides (dict "name" $deployment "ray_actor_options" $options) }}
 {{- end }}
 {{- $app := dict "name" "radixserve" "route_prefix" "/" "import_path" "cluster.app:deployment" }}

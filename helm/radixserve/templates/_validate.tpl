@@ -6,6 +6,13 @@ Included once, at the top of rayservice.yaml.
 {{- $v := .Values }}
 {{- range $pool, $deployment := include "radixserve.pools" . | fromYaml }}
 {{- $p := index $v.pools $pool }}
+{{- $tp := int $p.tensorParallelSize }}
+{{- if and (eq $v.mode "disaggregated") (gt $tp 1) }}
+{{- fail (printf "pools.%s.tensorParallelSize (%d): tensor parallelism is not supported with mode: disaggregated yet (ClusterArgs refuses tensor_parallel_size > 1 there: the KV transfer moves one rank's pages); set it to 1, or use mode: unified" $pool $tp) }}
+{{- end }}
+{{- if and (gt $tp 1) (gt (int $v.replica.numGpus) 1) }}
+{{- fail (printf "replica.numGpus (%v) is GPUs per tensor-parallel rank: each rank uses one, so set it to 1 (or 0 for CPU) with pools.%s.tensorParallelSize %d" $v.replica.numGpus $pool $tp) }}
+{{- end }}
 {{- if and $p.autoscaling.enabled (gt (int $p.autoscaling.minReplicas) (int $p.autoscaling.maxReplicas)) }}
 {{- fail (printf "pools.%s.autoscaling: minReplicas (%v) must not exceed maxReplicas (%v)" $pool $p.autoscaling.minReplicas $p.autoscaling.maxReplicas) }}
 {{- end }}
@@ -18,7 +25,8 @@ Included once, at the top of rayservice.yaml.
 {{- end }}
 {{- $managed := dict
   "mode" "mode" "model" "model.path" "served_model_name" "model.servedName" "policy" "policy"
-  "num_cpus" "replica.numCpus" "num_gpus" "replica.numGpus"
+  "num_cpus" "replica.numCpus" "num_gpus" "replica.numGpus (per rank)"
+  "tensor_parallel_size" "pools.<pool>.tensorParallelSize"
   "workers" "pools.unified.replicas" "prefill_workers" "pools.prefill.replicas" "decode_workers" "pools.decode.replicas"
   "autoscaling" "pools.unified.autoscaling" "prefill_autoscaling" "pools.prefill.autoscaling"
   "decode_autoscaling" "pools.decode.autoscaling"
