@@ -154,6 +154,7 @@ def deployment(args: ClusterArgs) -> Application:
             admin_api_key=args.admin_api_key,
             request_timeout_s=args.request_timeout_s,
             rate_limits=args.rate_limits(_ingress_replicas(args)),
+            cors_origins=args.cors_origins,
             mode=args.mode,
             tokenizer_source=args.tokenizer,
             prefill=pools.get("prefill") if args.early_prefill else None,

@@ -225,6 +225,11 @@ class _ClusterFields(BaseModel):
         description="Tokens per minute per API key, charged at admission as prompt tokens + max_tokens per "
         "choice (429 beyond); each ingress replica enforces this / ingress_replicas rounded up. None: no limit.",
     )
+    cors_origins: Optional[str] = Field(
+        None,
+        description="Comma-separated browser origins allowed to call the API (CORS), or '*' for any. "
+        "None: CORS off (no CORS headers; preflights get a 405).",
+    )
     worker_access_log: bool = Field(
         False,
         description="Log every call to a worker replica (generate, and the "

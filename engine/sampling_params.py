@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, List, Mapping, Optional, Union
+from typing import Any, Dict, List, Mapping, Optional, Union
 
 from engine.errors import InvalidRequestError
 
@@ -17,6 +17,10 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 """Stop strings are matched against every new piece of text, so their number and length are bounded."""
 SEED_LIMIT = 2**64
+LOGIT_BIAS_LIMIT = 100.0
+"""logit_bias values lie in [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT] (OpenAI's range)."""
+MAX_LOGIT_BIAS_TOKENS = 1024
+"""Tokens one request may bias (OpenAI's limit is 300; vLLM's 1024)."""
 """Seeds are unsigned 64-bit integers (what torch.Generator.manual_seed takes): [0, 2**64)."""
 
 
@@ -28,7 +32,9 @@ class SamplingParams:
     reproducible whatever the batch companions are. `top_k == -1` disables top-k.
     `stop` strings end generation and are not part of the returned text;
     `stop_token_ids` end it and are kept out of the text unless they are visible
-    tokens (the token ids are returned).
+    tokens (the token ids are returned). `logit_bias` maps token ids to a value added to their
+    logits before sampling (after penalties, before a grammar's mask): -100 all but bans a token,
+    +100 all but forces it; logprobs describe the biased distribution.
     """
 
     max_new_tokens: int = 128
@@ -47,6 +53,9 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    logit_bias: Optional[Dict[int, float]] = None
+    """Token id → additive bias in [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT]; ids may arrive as decimal
+    strings (JSON object keys) and are converted to int."""
     prompt_logprobs: Optional[int] = None
     """Also return the logprob of every prompt token after the first, with this many top
     alternatives (0: the prompt token only). Such a request computes its whole prompt (no prefix reuse)."""
@@ -61,6 +70,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.logit_bias, Mapping):
+            self.logit_bias = {_as_token_id(k): v for k, v in self.logit_bias.items()} or None
 
     @classmethod
     def from_any(cls, value: Union["SamplingParams", Mapping[str, Any], None]) -> "SamplingParams":
@@ -137,6 +148,7 @@ class SamplingParams:
             f"must hold at most {MAX_STOP_TOKEN_IDS} ids",
         )
         check(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be token ids >= 0")
+        self._validate_logit_bias()
         constraints = [c for c in (self.json_schema, self.regex, self.ebnf) if c is not None]
         check(len(constraints) <= 1, "json_schema", "cannot be combined with regex or ebnf (give one constraint)")
         check(
@@ -145,8 +157,33 @@ class SamplingParams:
             "/regex/ebnf must be non-empty strings of valid Unicode",
         )
 
+    def _validate_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            raise InvalidRequestError(f"logit_bias must map token ids to numbers, got {bias!r}", param="logit_bias")
+        if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise InvalidRequestError(f"logit_bias may bias at most {MAX_LOGIT_BIAS_TOKENS} tokens", param="logit_bias")
+        for token, value in bias.items():
+            if not (isinstance(token, int) and not isinstance(token, bool) and token >= 0):
+                raise InvalidRequestError(f"logit_bias keys must be token ids >= 0, got {token!r}", param="logit_bias")
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not ok or abs(value) > LOGIT_BIAS_LIMIT:
+                raise InvalidRequestError(
+                    f"logit_bias values must be numbers in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], "
+                    f"got {value!r} for token {token}",
+                    param="logit_bias",
+                )
+
     def check_vocab(self, vocab_size: int) -> None:
-        """Raise InvalidRequestError when top_k or a stop token id lies outside a `vocab_size` vocabulary."""
+        """Raise InvalidRequestError when top_k, a stop token id or a logit_bias token lies outside a
+        `vocab_size` vocabulary."""
+        bad_bias = [t for t in (self.logit_bias or {}) if t >= vocab_size]
+        if bad_bias:
+            raise InvalidRequestError(
+                f"logit_bias keys must be token ids in [0, {vocab_size}), got {bad_bias[:4]}", param="logit_bias"
+            )
         if self.top_k > vocab_size:
             raise InvalidRequestError(
                 f"top_k must be -1 (disabled) or in [1, {vocab_size}] (the vocabulary), got {self.top_k}", param="top_k"
@@ -156,6 +193,14 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"stop_token_ids must be token ids in [0, {vocab_size}), got {bad[:4]}", param="stop_token_ids"
             )
+
+
+def _as_token_id(key: Any) -> Any:
+    """A logit_bias key as an int when it is one or a decimal string of one (else unchanged: validate
+    refuses it)."""
+    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+        return int(key)
+    return key
 
 
 def _is_unicode(text: str) -> bool:

@@ -92,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="Tokens per minute per API key, charged at admission as prompt tokens + max_tokens per "
         "choice; beyond, 429 (default: no limit).",
     )
+    p.add_argument(
+        "--cors-origins",
+        default=None,
+        help="Comma-separated browser origins allowed to call the API (CORS), or '*' for any "
+        "(default: none, CORS off).",
+    )
     p.add_argument("--log-level", default="info")
     group = p.add_argument_group("engine options (engine.config.EngineConfig)")
     for f in dataclasses.fields(EngineConfig):
@@ -133,7 +139,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     logging.basicConfig(level=args.log_level.upper())
     from engine import Engine
     from serving import server
-    from serving.app import build_app
+    from serving.app import build_app, parse_origins
     from serving.backend import EngineBackend
 
     engine_opts: dict[str, Any] = {
@@ -147,6 +153,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         max_body_bytes=args.max_body_bytes,
         request_timeout_s=args.request_timeout_s,
         rate_limits=rate_limits,
+        cors_origins=parse_origins(args.cors_origins),
     )
     try:
         server.run(

@@ -1,6 +1,7 @@
 """build_app: the FastAPI application over one ServingBackend.
 
-Request path: ASGI middlewares (outermost first) count requests by route and status
+Request path: ASGI middlewares (outermost first) answer CORS (`cors_origins`; off by default: no
+CORS headers, OPTIONS preflights get a 405), count requests by route and status
 (`_RequestMetrics`), reject bodies over `max_body_bytes` with 413 (`_BodyLimit`, which buffers
 the body and replays it), check the API key on /v1/* and /generate (`_ApiKeyAuth`) and, when set,
 a key's requests per minute (`RateLimit`, serving/ratelimit.py; its tokens are charged in
@@ -12,9 +13,10 @@ the backend. The cluster ingress builds the same app over its own backend.
 from __future__ import annotations
 
 import hmac
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serving import anthropic, generate_routes, openai_routes, responses
@@ -46,6 +48,7 @@ def build_app(
     response_store: Optional[ResponseStore] = None,
     request_timeout_s: Optional[float] = DEFAULT_REQUEST_TIMEOUT_S,
     rate_limits: Optional[RateLimits] = None,
+    cors_origins: Sequence[str] = (),
 ) -> FastAPI:
     """The OpenAI-compatible app serving `backend` under `model_name`.
 
@@ -58,6 +61,9 @@ def build_app(
     request's own `timeout` can only shorten it. `app.state.serving.lifetimes.drain(grace_s)` starts
     a drain (serving/lifetime.py).
     `rate_limits`: requests and tokens per minute per API key (serving/ratelimit.py); None: none.
+    `cors_origins`: browser origins allowed to call the API (CORS; "*": any); empty: no CORS. Preflights
+    answer before the key check (browsers send no key on them); credentials (cookies) are not allowed:
+    the API key travels in the Authorization header.
     """
     app = FastAPI(
         title=title,
@@ -84,7 +90,15 @@ def build_app(
     app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
     app.add_middleware(anthropic.AnthropicErrorShape)  # outside every layer that may answer an error
     app.add_middleware(_RequestMetrics, metrics=metrics)
+    if cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"], allow_headers=["*"])
     return app
+
+
+def parse_origins(text: Optional[str]) -> List[str]:
+    """CORS origins from a comma-separated string ('https://a.example,https://b.example', or '*');
+    None or '' → [] (CORS off)."""
+    return [o.strip() for o in (text or "").split(",") if o.strip()]
 
 
 OPEN_PATHS = ("/health", "/metrics")

@@ -5,7 +5,10 @@
         response_format or a forced tool choice) ──GenerationStream──▶ ChoiceState / chunks
 
 Tool modes (`ChatPlan.tool_mode`): None (no tools or tool_choice "none"), "auto" (output parsed
-for a call), "forced" ("required" or a named function: the output is constrained to a call).
+for a call), "forced" ("required" or a named function: the output is constrained to one call).
+`parallel_tool_calls: false` keeps at most the first call a choice makes (a forced choice makes
+exactly one); true, the default, permits several.
+Parameters the server does not honour are refused first (serving/unsupported.py).
 """
 
 from __future__ import annotations
@@ -27,10 +30,12 @@ from serving.protocol import (
     ChatMessage,
     ChoiceLogprobs,
     Tool,
+    ToolCall,
     new_id,
 )
 from serving.state import ServingState, get_state
 from serving.streams import cancel_on_disconnect, collect, stream_response
+from serving.unsupported import CHAT_REFUSED, refuse_unsupported
 
 router = APIRouter()
 
@@ -91,6 +96,15 @@ class ChatPlan:
     tool_mode: Optional[str]
     tools: List[Tool]
     """The tools a call may name (all of them, or the named one)."""
+    max_calls: Optional[int] = None
+    """At most this many calls per choice (1 with parallel_tool_calls=false; None: no limit)."""
+
+    def parse_calls(self, text: str) -> Optional[List[ToolCall]]:
+        """The tool calls in a choice's `text` (None when it is no call), at most `max_calls` of them."""
+        if not self.tool_mode:
+            return None
+        calls = tc.parse_tool_calls(text, self.tools)
+        return calls[: self.max_calls] if calls and self.max_calls is not None else calls
 
 
 def _check_schema(schema: Dict[str, Any], what: str) -> None:
@@ -145,7 +159,7 @@ def plan_chat(st: ServingState, body: ChatCompletionRequest) -> ChatPlan:
         if fmt is None or fmt.schema_ is None:
             raise APIError(400, "response_format.json_schema.schema is required", "response_format", "invalid_request")
         schema = json.dumps(fmt.schema_)
-    return ChatPlan(ids, schema, tool_mode, allowed)
+    return ChatPlan(ids, schema, tool_mode, allowed, 1 if body.parallel_tool_calls is False else None)
 
 
 @router.post(
@@ -156,6 +170,7 @@ def plan_chat(st: ServingState, body: ChatCompletionRequest) -> ChatPlan:
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     st = get_state(request)
     st.check_model(body.model)
+    refuse_unsupported(body, CHAT_REFUSED)
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs", "invalid_request")
     plan = plan_chat(st, body)
@@ -173,7 +188,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     choices = []
     for k, s in enumerate(states):
         text, finish = s.full_text, s.finish_reason
-        calls = tc.parse_tool_calls(text, plan.tools) if plan.tool_mode else None
+        calls = plan.parse_calls(text)
         message = AssistantMessage(content=None if calls else text, tool_calls=calls)
         lps = ChoiceLogprobs(content=logprob_entries(st, s.logprobs)) if body.logprobs else None
         choices.append(

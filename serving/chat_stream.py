@@ -57,7 +57,7 @@ async def chat_events(
     def chunk(index: int, delta: dict, logprobs: Optional[List[Any]] = None, finish: Optional[str] = None) -> str:
         lps = None
         if body.logprobs and logprobs is not None:
-            lps = {"content": [e.model_dump() for e in logprob_entries(st, logprobs)]}
+            lps = {"content": [e.model_dump() for e in logprob_entries(st, logprobs)], "refusal": None}
         data: Dict[str, Any] = {
             "id": rid,
             "object": "chat.completion.chunk",
@@ -89,7 +89,7 @@ async def chat_events(
         finish = out.finish_reason
         if c.holding:
             text = "".join(c.held)
-            calls = tc.parse_tool_calls(text, plan.tools)
+            calls = plan.parse_calls(text)
             if calls:
                 finish = "tool_calls"
                 for j, call in enumerate(calls):

@@ -16,6 +16,7 @@ from serving.errors import APIError
 from serving.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, new_id
 from serving.state import ServingState, UsageTracker, get_state
 from serving.streams import GenerationStream, cancel_on_disconnect, collect, sse, stream_response
+from serving.unsupported import COMPLETION_REFUSED, refuse_unsupported
 
 router = APIRouter()
 
@@ -44,8 +45,7 @@ def echo_logprobs(st: ServingState, prompt_ids: List[int], prompt_logprobs: List
 
 
 def _check(body: CompletionRequest) -> None:
-    if body.suffix:
-        raise APIError(400, "suffix is not supported", "suffix", "unsupported")
+    refuse_unsupported(body, COMPLETION_REFUSED)
     if body.best_of is not None and body.best_of != body.n:
         raise APIError(400, "best_of must equal n (or be null)", "best_of", "unsupported")
 
@@ -127,9 +127,7 @@ async def _events(
         if not text and lps is None and out.finish_reason is None and not out.new_token_ids:
             continue  # like vLLM: a chunk per step that produced tokens, even while their text is held back
         choice = {"index": k, "text": text, "logprobs": lps, "finish_reason": out.finish_reason}
-        chunk: Dict[str, Any] = {**base, "created": created, "choices": [choice]}
-        if include_usage:
-            chunk["usage"] = None
-        yield sse(chunk)
+        # No "usage": null here (OpenAI's completion schema has no nullable usage); only the last chunk has it.
+        yield sse({**base, "created": created, "choices": [choice]})
     if include_usage:
         yield sse({**base, "created": created, "choices": [], "usage": usage.usage().model_dump()})

@@ -4,10 +4,11 @@ Every error leaves the server as
 
     {"error": {"message": str, "type": str, "param": str | null, "code": str | int | null}}
 
-with: 400 invalid request (pydantic validation included, FastAPI's 422 becomes 400), 401 bad or
-missing API key, 404 unknown route, 413 body too large, 429 a key's rate limit (type "requests" or
-"tokens", as OpenAI's; serving/ratelimit.py), 503 queue full / engine down / shutting
-down (queue full and shutting down with Retry-After), 504 deadline exceeded. Bad input never
+with: 400 invalid request (pydantic validation included, FastAPI's 422 becomes 400; a body that is
+not JSON has param null), 401 bad or missing API key, 404 unknown route or model (model_not_found),
+413 body too large, 429 a key's rate limit (type "requests" or "tokens", as OpenAI's;
+serving/ratelimit.py), 503 queue full / engine down / shutting down (queue full and shutting down
+with Retry-After), 504 deadline exceeded. Bad input never
 reaches the 500 handler; that one exists so a bug still answers in the same shape.
 """
 
@@ -123,6 +124,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
     if not errors:
         return "invalid request body", None
     first = errors[0]
+    if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
+        return f"the body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}", None
     param = _param_path(tuple(first.get("loc", ())))
     msg = first.get("msg", "invalid value")
     more = f" (and {len(errors) - 1} more error(s))" if len(errors) > 1 else ""

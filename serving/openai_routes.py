@@ -1,5 +1,6 @@
-"""The OpenAI-compatible routes: /v1/models, /v1/completions (completions.py),
-/v1/chat/completions (chat.py), and vLLM-style /v1/tokenize and /v1/detokenize."""
+"""The OpenAI-compatible routes: /v1/models, /v1/models/{id} (an id may hold '/'), /v1/completions
+(completions.py), /v1/chat/completions (chat.py), and vLLM's POST /tokenize and /detokenize (also
+served at /v1/tokenize and /v1/detokenize: the same handlers)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ async def list_models(request: Request) -> ModelList:
     return ModelList(data=[ModelCard(id=st.model_name, max_model_len=st.backend.context_len)])
 
 
-@router.get("/v1/models/{model}", response_model=ModelCard)
+@router.get("/v1/models/{model:path}", response_model=ModelCard)
 async def get_model(model: str, request: Request) -> ModelCard:
     st = get_state(request)
     if model != st.model_name:
@@ -37,6 +38,7 @@ async def get_model(model: str, request: Request) -> ModelCard:
     return ModelCard(id=st.model_name, max_model_len=st.backend.context_len)
 
 
+@router.post("/tokenize", response_model=TokenizeResponse)
 @router.post("/v1/tokenize", response_model=TokenizeResponse)
 async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     st = get_state(request)
@@ -55,6 +57,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     return TokenizeResponse(count=len(ids), max_model_len=st.backend.context_len, tokens=ids)
 
 
+@router.post("/detokenize", response_model=DetokenizeResponse)
 @router.post("/v1/detokenize", response_model=DetokenizeResponse)
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     st = get_state(request)

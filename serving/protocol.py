@@ -13,9 +13,9 @@ import time
 import uuid
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
-from engine.sampling_params import MAX_N
+from engine.sampling_params import LOGIT_BIAS_LIMIT, MAX_N
 
 StopField = Optional[Union[str, List[str]]]
 
@@ -63,6 +63,11 @@ class _SamplingFields(SGLangExtras):
     seed: Optional[int] = Field(None, description="Makes sampling reproducible.")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: Optional[Dict[str, float]] = Field(
+        None,
+        description=f"Token id (as a string) → a bias in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}] added to its "
+        "logit before sampling: -100 bans a token, +100 all but forces it.",
+    )
     user: Optional[str] = Field(None, description="End-user id (accepted, unused).")
     stream: bool = Field(False, description="Stream server-sent events.")
     stream_options: Optional[StreamOptions] = None
@@ -183,7 +188,27 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: Optional[ResponseFormat] = None
     tools: Optional[List[Tool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
-    parallel_tool_calls: Optional[bool] = None
+    parallel_tool_calls: Optional[bool] = Field(
+        None, description="false: at most one tool call per choice (true, the default, permits several)."
+    )
+    # Accepted, with no effect on the output by definition (OpenAI bookkeeping and hints).
+    metadata: Optional[Dict[str, str]] = Field(None, description="Accepted, unused (nothing is stored).")
+    safety_identifier: Optional[str] = Field(None, description="End-user id (accepted, unused).")
+    prompt_cache_key: Optional[str] = Field(None, description="Accepted, unused: prefix caching is automatic.")
+    # Refused unless null or the value that means the default (serving/unsupported.py).
+    functions: Optional[Any] = Field(None, description="Refused (deprecated): use tools.")
+    function_call: Optional[Any] = Field(None, description="Refused (deprecated): use tool_choice.")
+    modalities: Optional[List[str]] = Field(None, description='Only ["text"].')
+    audio: Optional[Any] = Field(None, description="Refused: no audio output.")
+    verbosity: Optional[str] = Field(None, description='Only "medium" (the default).')
+    reasoning_effort: Optional[str] = Field(None, description="Refused: the served model does not reason.")
+    web_search_options: Optional[Any] = Field(None, description="Refused: no web search.")
+    prediction: Optional[Any] = Field(None, description="Refused: no predicted outputs.")
+    service_tier: Optional[str] = Field(None, description='Only "auto" or "default" (one tier).')
+    store: Optional[bool] = Field(None, description="Only false: nothing is stored.")
+    prompt_cache_retention: Optional[str] = Field(None, description='Only "in_memory" (the radix cache).')
+    prompt_cache_options: Optional[Any] = Field(None, description="Refused.")
+    moderation: Optional[Any] = Field(None, description="Refused: no moderation.")
     add_generation_prompt: bool = Field(True, description="End the prompt with the assistant header.")
     continue_final_message: bool = Field(False, description="Continue the last (assistant) message.")
 
@@ -200,12 +225,25 @@ class TokenLogprobEntry(TopLogprob):
 
 class ChoiceLogprobs(BaseModel):
     content: Optional[List[TokenLogprobEntry]] = None
+    refusal: Optional[List[TokenLogprobEntry]] = None
+    """Always null: the server never refuses (OpenAI's schema requires the field)."""
 
 
 class AssistantMessage(BaseModel):
+    """A chat choice's message. `refusal` is always null and always present (required by OpenAI's
+    schema); `tool_calls` is left out when there are none (the schema allows an array or nothing)."""
+
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    refusal: Optional[str] = None
     tool_calls: Optional[List[ToolCall]] = None
+
+    @model_serializer(mode="wrap")
+    def _omit_no_calls(self, handler: SerializerFunctionWrapHandler) -> Dict[str, Any]:
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChoice(BaseModel):

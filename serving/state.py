@@ -55,9 +55,10 @@ class ServingState:
         return self.backend.tokenizer
 
     def check_model(self, model: Optional[str]) -> None:
+        """404 model_not_found (OpenAI's and vLLM's answer) unless `model` is the served model."""
         if model != self.model_name:
             raise APIError(
-                400,
+                404,
                 f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                 "model",
                 "model_not_found",
@@ -144,6 +145,7 @@ class ServingState:
             regex=body.regex,
             ebnf=body.ebnf,
             prompt_logprobs=prompt_logprobs,
+            logit_bias=body.logit_bias,
         )
         return self.checked_params(values)
 

@@ -28,6 +28,7 @@ class Ingress:
         admin_api_key: Optional[str] = None,
         request_timeout_s: Optional[float] = None,
         rate_limits: Any = None,
+        cors_origins: Optional[str] = None,
         mode: str = "unified",
         tokenizer_source: Optional[str] = None,
         prefill=None,
@@ -41,6 +42,8 @@ class Ingress:
         self.model_name, self.api_key, self.max_body_bytes = model_name, api_key, max_body_bytes
         self.admin_api_key, self.request_timeout_s = admin_api_key, request_timeout_s
         self.rate_limits = rate_limits
+        self.cors_origins = cors_origins
+        """ClusterArgs.cors_origins (comma-separated; None: CORS off)."""
         """serving.ratelimit.RateLimits of this replica (its share of the cluster's), or None."""
         tokenizer = await asyncio.to_thread(load_tokenizer, resolve_model(tokenizer_source or model))
         info = await asyncio.wait_for(workers.info.remote(), 600)  # waits for a first worker to be up
@@ -64,7 +67,7 @@ class Ingress:
         from fastapi import Depends
 
         from cluster.ingress.admin import admin_key_check, install_admin
-        from serving.app import build_app
+        from serving.app import build_app, parse_origins
 
         # The admin API checks the admin key itself; the dashboard's files hold no data (its page asks
         # for the admin key). /router/stats (replica ids, KV usage, queues) needs the admin key when one
@@ -81,6 +84,7 @@ class Ingress:
             response_store=RouterResponseStore(self.backend.router),  # one store for every ingress replica
             request_timeout_s=self.request_timeout_s,
             rate_limits=self.rate_limits,
+            cors_origins=parse_origins(self.cors_origins),
         )
         self.lifetimes = app.state.serving.lifetimes
         app.state.serving.metrics.registry.register(WorkerGauges(self.backend, self.model_name))

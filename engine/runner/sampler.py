@@ -2,14 +2,14 @@
 
 Data flow of one call; every stage is batched tensor work on `logits.device`:
 
-    logits (bs, V) ─ penalties ─ grammar mask (rows with a grammar) ─▶ z
+    logits (bs, V) ─ penalties ─ logit_bias ─ grammar mask (rows with a grammar) ─▶ z
     z ─┬─▶ log_softmax ─▶ logprobs / top logprobs
        ├─▶ argmax ─────────────────────────▶ greedy rows
        └─ ÷ temperature ─ top-k ─ top-p ─ min-p ─ + Gumbel(seed, step, v) ─ argmax ─▶ other rows
 
-Logprobs are the log-softmax of the logits *after penalties, before temperature
-and filtering*: they describe the model's (penalised) distribution, not the
-truncated one sampled from. With no penalties they equal the raw model logprobs
+Logprobs are the log-softmax of the logits *after penalties and logit_bias, before
+temperature and filtering*: they describe the model's (penalised, biased) distribution,
+not the truncated one sampled from. With no penalties they equal the raw model logprobs
 (vLLM's default). Grammar rows (structured output) are masked first, as in SGLang:
 their logprobs are over the allowed tokens, and greedy takes the allowed argmax.
 
@@ -105,6 +105,34 @@ class PenaltyInfo:
             logits -= self.frequency * self.output_counts + self.presence * (self.output_counts > 0)
 
 
+@dataclass
+class LogitBias:
+    """The batch's logit_bias entries as a sparse (row, token, value) list; built only when some row has one."""
+
+    rows: torch.Tensor
+    """(nnz,) int64 — batch rows."""
+    tokens: torch.Tensor
+    """(nnz,) int64 — token ids, < V (SamplingParams.check_vocab)."""
+    values: torch.Tensor
+    """(nnz,) float32 — added to logits[rows, tokens]."""
+
+    def apply_(self, logits: torch.Tensor) -> None:
+        """Add the biases to `logits` (bs, V) float32 in place (one scatter, any device)."""
+        logits.index_put_((self.rows, self.tokens), self.values, accumulate=True)
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], device) -> Optional["LogitBias"]:
+        entries = [(i, t, v) for i, p in enumerate(params) for t, v in (p.logit_bias or {}).items()]
+        if not entries:
+            return None
+        rows, tokens, values = zip(*entries)
+        return cls(
+            rows=torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True),
+            tokens=torch.tensor(tokens, dtype=torch.int64).to(device, non_blocking=True),
+            values=torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True),
+        )
+
+
 def _token_hits(ids: Sequence[Sequence[int]], vocab_size: int, dtype: torch.dtype, device) -> torch.Tensor:
     """(bs, V) counts of each token id per row, by scatter_add over a padded id tensor.
 
@@ -157,6 +185,8 @@ class SamplingBatchInfo:
     vocab_size: int
     vocab_mask: Optional[VocabMask] = None
     """Allowed tokens of the rows with a grammar (None when no row has one)."""
+    logit_bias: Optional[LogitBias] = None
+    """The rows' logit_bias entries (None when no row has one)."""
 
     @property
     def batch_size(self) -> int:
@@ -218,6 +248,7 @@ class SamplingBatchInfo:
             top_logprobs_nums=[p.top_logprobs for p in params],
             vocab_size=vocab_size,
             vocab_mask=build_vocab_mask(grammars, vocab_size, torch.device(device)) if grammars else None,
+            logit_bias=LogitBias.build(params, device),
         )
 
     @staticmethod
@@ -276,6 +307,8 @@ class Sampler:
         assert logits.shape == (info.batch_size, info.vocab_size), (tuple(logits.shape), info.vocab_size)
         if info.penalties is not None:
             info.penalties.apply_(logits)
+        if info.logit_bias is not None:
+            info.logit_bias.apply_(logits)
         if info.vocab_mask is not None:
             info.vocab_mask.apply_(logits)
         logprobs_all = torch.log_softmax(logits, dim=-1) if info.return_logprobs else None

@@ -129,3 +129,11 @@ def test_ingress_replicas_default_to_one_per_8_cpus():
         ClusterArgs(ingress_replicas=0)
     with pytest.raises(ValidationError, match="rate_limit_tokens_per_minute"):
         ClusterArgs(rate_limit_tokens_per_minute=0)
+
+
+def test_cors_origins_are_off_by_default_and_parsed_for_the_ingress_app():
+    from serving.app import parse_origins
+
+    assert ClusterArgs().cors_origins is None and parse_origins(ClusterArgs().cors_origins) == []
+    args = ClusterArgs(cors_origins="https://a.example, https://b.example")  # as `serve run ... key=value` gives it
+    assert parse_origins(args.cors_origins) == ["https://a.example", "https://b.example"]

@@ -227,3 +227,61 @@ def test_logprobs_are_penalised_but_pre_temperature():
 def test_no_logprobs_unless_asked():
     out = sample(torch.randn(2, V), [SamplingParams(), SamplingParams(temperature=0.0)])
     assert out.logprobs is None and out.top_logprob_ids is None
+
+
+# --- logit_bias ------------------------------------------------------------------------------
+def _bias_cases(device):
+    logits = torch.stack([fixed_logits(k) for k in range(4)]).to(device)
+    best = logits.argmax(-1).tolist()
+    params = [
+        SamplingParams(temperature=0.0, logit_bias={best[0]: -100}),  # the greedy pick is banned
+        SamplingParams(temperature=0.0, logit_bias={"17": 100}),  # a token forced (a JSON key: a string)
+        SamplingParams(temperature=1.0, logit_bias={23: 100}),  # forced in a sampled row too
+        SamplingParams(temperature=0.0),  # no bias: untouched
+    ]
+    return logits, best, params
+
+
+def _check_bias(device):
+    logits, best, params = _bias_cases(device)
+    info = SamplingBatchInfo.build(params, [1, 2, 3, 4], [0] * 4, [[]] * 4, [[]] * 4, V, device)
+    out = Sampler()(logits.clone(), info)
+    ids = out.next_token_ids.tolist()
+    second = logits[0].clone()
+    second[best[0]] = float("-inf")
+    assert ids == [second.argmax().item(), 17, 23, best[3]]
+
+
+def test_logit_bias_bans_and_forces_tokens():
+    _check_bias("cpu")
+    assert build([SamplingParams()]).logit_bias is None  # no bias: nothing built, nothing applied
+
+
+def test_logit_bias_shifts_the_logprobs():
+    logits = fixed_logits(5).unsqueeze(0)
+    biased = SamplingParams(temperature=0.0, logprobs=True, logit_bias={3: 2.5})
+    out = Sampler()(logits.clone(), build([biased]))
+    ref = logits.clone()
+    ref[0, 3] += 2.5
+    assert out.next_token_ids.item() == ref.argmax().item()
+    assert out.logprobs.item() == pytest.approx(torch.log_softmax(ref, -1).max().item(), abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    "bias, message",
+    [({"x": 1}, "token ids"), ({-1: 1}, "token ids"), ({1: 101}, "[-100, 100]"), ({1: float("nan")}, "[-100")],
+)
+def test_logit_bias_is_validated(bias, message):
+    from engine.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match=message.replace("[", r"\[")) as info:
+        SamplingParams.from_any({"logit_bias": bias})
+    assert info.value.param == "logit_bias"
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams.from_any({"logit_bias": {V: 1}}).check_vocab(V)
+    assert info.value.param == "logit_bias"
+
+
+@pytest.mark.gpu
+def test_logit_bias_on_cuda():
+    _check_bias("cuda")

@@ -59,7 +59,9 @@ def chat(**kw):
 @pytest.mark.parametrize(
     "body,param",
     [
-        (cmpl(model="gpt-4"), "model"),
+        (cmpl(logit_bias={"abc": 1}), "logit_bias"),
+        (cmpl(logit_bias={"5": 101}), "logit_bias"),
+        (chat(logit_bias={"5": "x"}), "logit_bias.5"),
         (cmpl(temperature=-1), "temperature"),
         (cmpl(temperature=3), "temperature"),
         (cmpl(top_p=0), "top_p"),
