@@ -401,7 +401,7 @@ def test_async_client(base_url, default_engine):
     ref = default_engine.generate(PROMPT, {"temperature": 0, "max_new_tokens": 8}).text
     assert all(r.choices[0].text == ref for r in results)
     assert text
-    assert wait_idle(default_engine)["running"] == 0
+    assert wait_idle(default_engine).running == 0
 
 
 def test_tool_choice_auto_stream_matches_non_stream(client):
