@@ -27,16 +27,6 @@ GREEDY = {"extra_body": {"temperature": 0}}
 
 
 @pytest.fixture(scope="module")
-def base_url(default_engine):
-    from serving.app import build_app
-    from serving.backend import EngineBackend
-
-    with serve(build_app(EngineBackend(default_engine), model_name=MODEL)) as url:
-        yield url
-    assert_no_leak(default_engine)
-
-
-@pytest.fixture(scope="module")
 def client(base_url):
     return anthropic.Anthropic(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
 

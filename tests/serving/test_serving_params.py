@@ -98,17 +98,6 @@ ACCEPTED_DEFAULTS: Dict[str, Any] = {
 """Values of refused parameters that mean what the server does anyway: accepted."""
 
 
-@pytest.fixture(scope="module")
-def http(default_engine):
-    from serving.app import build_app
-    from serving.backend import EngineBackend
-
-    with serve(build_app(EngineBackend(default_engine), model_name=MODEL)) as url:
-        with httpx.Client(base_url=url, timeout=120) as c:
-            yield c
-    assert_no_leak(default_engine)
-
-
 def chat(**kw) -> Dict[str, Any]:
     return {"model": MODEL, "messages": MSGS, "max_tokens": 8, "temperature": 0, **kw}
 

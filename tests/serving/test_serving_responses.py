@@ -32,21 +32,6 @@ STREAM_TEXT_EVENTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def base_url(default_engine):
-    from serving.app import build_app
-    from serving.backend import EngineBackend
-
-    with serve(build_app(EngineBackend(default_engine), model_name=MODEL)) as url:
-        yield url
-    assert_no_leak(default_engine)
-
-
-@pytest.fixture(scope="module")
-def client(base_url):
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def _chat_text(client, messages, max_tokens):
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0)
     return r.choices[0].message.content, r.usage

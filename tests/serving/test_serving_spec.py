@@ -27,17 +27,6 @@ MSGS = [{"role": "user", "content": "What is the capital of France?"}]
 WEATHER_MSGS = [{"role": "user", "content": "What's the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def http(default_engine):
-    from serving.app import build_app
-    from serving.backend import EngineBackend
-
-    with serve(build_app(EngineBackend(default_engine), model_name=MODEL)) as url:
-        with httpx.Client(base_url=url, timeout=120) as c:
-            yield c
-    assert_no_leak(default_engine)
-
-
 def conforms(name: str, body: Any) -> Any:
     found = violations(name, body)
     assert not found, f"{name}: {found}\n{json.dumps(body)[:2000]}"
