@@ -38,17 +38,13 @@ from typing import Any, List, NamedTuple, Optional, Sequence
 import torch
 
 from engine.errors import InvalidRequestError
-from engine.runner.json_schema import check_schema, explain
+from engine.runner.json_schema import explain, json_schema_grammar
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 GRAMMAR_KINDS = ("json_schema", "lark", "regex", "ebnf")
 _WHAT = {"json_schema": "JSON schema", "lark": "Lark grammar", "regex": "regex", "ebnf": "EBNF grammar"}
-JSON_DEFAULTS = {"whitespace_flexible": False}
-"""llguidance JSON options a schema's top-level "x-guidance" may change (only whitespace_flexible)."""
-JSON_OVERRIDES = {"lenient": False, "coerce_one_of": False}
-"""Applied after "x-guidance": never ignore an unsupported keyword, never read oneOf as anyOf."""
 # Strips xgrammar's C++ log prefix ("[12:00:00] /project/cpp/x.cc:83: ") from error messages.
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+?:\d+: (Check failed: \(.*?\) is false: )?")
 
@@ -182,10 +178,7 @@ class GrammarCompiler:
                 schema = json.loads(key.text)
             except ValueError as exc:
                 raise InvalidRequestError(f"json_schema is not valid JSON: {exc}", param="json_schema") from exc
-            check_schema(schema)
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                schema, defaults=JSON_DEFAULTS, overrides=JSON_OVERRIDES
-            )
+            grammar = json_schema_grammar(schema)
         else:
             grammar = llguidance.LLMatcher.grammar_from_lark(key.text)
         error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)

@@ -1,26 +1,57 @@
-"""JSON-schema checks llguidance does not make itself, and its refusals in words a client can act on.
+"""JSON schema → llguidance grammar, exact or refused; the refusals in words a client can act on.
 
-Contract: `check_schema(schema)` returns None when llguidance's grammar for `schema` is exact
-(every output that completes validates), else raises InvalidRequestError(param="json_schema")
-naming the keyword. llguidance refuses what it cannot enforce on its own (`not`, `if`/`then`,
+Contract: `json_schema_grammar(schema)` returns llguidance's grammar for `schema` (a string for
+llguidance.LLMatcher) when every output it completes validates against `schema`, else raises
+InvalidRequestError(param="json_schema") naming the keyword. It needs no tokenizer (a few ms),
+so the HTTP layer can refuse a schema before a request reaches the engine; the engine then
+compiles the same grammar against its tokenizer (engine/runner/grammar.py).
+
+llguidance refuses what it cannot enforce on its own (`not`, `if`/`then`,
 `dependencies`, `uniqueItems`, overlapping `oneOf`, remote `$ref`, unknown `format`, look-around
-in `pattern`, ...); the cases here are the ones it accepts but does not enforce exactly:
+in `pattern`, ...); `check_schema` adds the ones it accepts but does not enforce exactly:
 
 - `minProperties` above the number of `required` properties: the extra keys come from
   `additionalProperties` / `patternProperties`, whose keys llguidance does not keep unique, so
   `{"a": 1, "a": 2}` would count as two properties while a JSON parser keeps one.
 - the top-level "x-guidance" options other than `whitespace_flexible` (separators and
   whitespace patterns could produce text that is not JSON; `lenient` would ignore keywords).
+
+Objects are closed by default (`close_objects`): exact means every output validates, not that
+every valid instance can be produced.
 """
 
 from __future__ import annotations
 
+import json
 import re
-from typing import Any, Iterator
+from typing import Any, Dict, Iterator
 
 from engine.errors import InvalidRequestError
 
 X_GUIDANCE_ALLOWED = frozenset({"whitespace_flexible"})
+JSON_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""One line, one space after "," and ":" (Python's json.dumps): no runaway whitespace, and the
+spacing small models are trained on (no space at all pushes them to odd tokens inside strings)."""
+JSON_FLEXIBLE = {"whitespace_flexible": True}
+"""Any JSON whitespace: only when a schema's top-level "x-guidance" sets "whitespace_flexible": true."""
+JSON_OVERRIDES = {"lenient": False, "coerce_one_of": False}
+"""Applied after "x-guidance": never ignore an unsupported keyword, never read oneOf as anyOf."""
+
+
+def json_schema_grammar(schema: Any) -> str:
+    """llguidance's grammar for `schema` (a parsed JSON schema, objects closed by `close_objects`);
+    InvalidRequestError naming what would not be enforced exactly."""
+    import llguidance  # noqa: PLC0415
+
+    check_schema(schema)
+    flexible = (schema.get("x-guidance") or {}).get("whitespace_flexible") is True
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(
+        close_objects(schema), defaults=JSON_FLEXIBLE if flexible else JSON_COMPACT, overrides=JSON_OVERRIDES
+    )
+    error = llguidance.LLMatcher.validate_grammar(grammar, None)
+    if error:
+        raise _refuse(explain(error))
+    return grammar
 
 
 def _refuse(msg: str) -> InvalidRequestError:
@@ -60,6 +91,48 @@ def check_schema(schema: Any) -> None:
                 f"minProperties ({min_props}) above the number of required properties at {path} "
                 "(keys of additional properties are not kept unique)"
             )
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SCHEMA_ONE = ("additionalProperties", "items", "not", "contains", "if", "then", "else", "propertyNames")
+_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def close_objects(schema: Dict[str, Any]) -> Dict[str, Any]:
+    """A copy of `schema` in which an object schema that lists `properties` and says nothing about
+    other keys (no additionalProperties / patternProperties / unevaluatedProperties) allows no
+    other keys, as in OpenAI's and xgrammar's strict modes. Every output stays valid for `schema`
+    (it only narrows), and a small model cannot wander into inventing keys until max_tokens.
+    Left as is: a schema that uses `allOf` anywhere (a closed branch would forbid the keys of the
+    other branches), and an object that requires a key it does not list."""
+    if "allOf" in json.dumps(schema):
+        return schema
+    return _close(schema)
+
+
+def _close(node: Any) -> Any:
+    if not isinstance(node, dict):
+        return node
+    out = dict(node)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _close(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_close(sub) for sub in out[key]]
+    for key in _SCHEMA_ONE:
+        if key in out:
+            out[key] = [_close(sub) for sub in out[key]] if isinstance(out[key], list) else _close(out[key])
+    props = out.get("properties")
+    required = out.get("required") if isinstance(out.get("required"), list) else []
+    if (
+        isinstance(props, dict)
+        and not any(k in out for k in _OPEN_KEYS)
+        and all(isinstance(r, str) and r in props for r in required)
+    ):
+        out["additionalProperties"] = False
+    return out
 
 
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[(.*?)\]")
