@@ -36,6 +36,7 @@ def run_script(name, *args):
         "bench_gemv.py",
         "bench_frontend.py",
         "bench_online.py",
+        "bench_grammar.py",
     ],
 )
 def test_help(name):
