@@ -176,7 +176,7 @@ class GrammarCompiler:
         if key.kind == "json_schema":
             try:
                 schema = json.loads(key.text)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:
                 raise InvalidRequestError(f"json_schema is not valid JSON: {exc}", param="json_schema") from exc
             grammar = json_schema_grammar(schema)
         else:

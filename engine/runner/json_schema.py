@@ -43,6 +43,13 @@ def json_schema_grammar(schema: Any) -> str:
     InvalidRequestError naming what would not be enforced exactly."""
     import llguidance  # noqa: PLC0415
 
+    try:
+        return _grammar(llguidance, schema)
+    except RecursionError as exc:
+        raise _refuse("the schema is nested too deeply") from exc
+
+
+def _grammar(llguidance: Any, schema: Any) -> str:
     check_schema(schema)
     flexible = (schema.get("x-guidance") or {}).get("whitespace_flexible") is True
     grammar = llguidance.LLMatcher.grammar_from_json_schema(
@@ -85,7 +92,7 @@ def check_schema(schema: Any) -> None:
     for path, node in _subschemas(schema, "#"):
         min_props = node.get("minProperties")
         required = node.get("required")
-        n_required = len(set(required)) if isinstance(required, list) else 0
+        n_required = len({r for r in required if isinstance(r, str)}) if isinstance(required, list) else 0
         if isinstance(min_props, int) and not isinstance(min_props, bool) and min_props > max(n_required, 1):
             raise _refuse(
                 f"minProperties ({min_props}) above the number of required properties at {path} "
