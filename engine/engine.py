@@ -359,7 +359,7 @@ class Engine:
     def _check_prompt(self, prompt: Prompt, params: SamplingParams) -> List[int]:
         """The prompt's token ids, checked against the vocabulary, the context and the KV pool."""
         params.check_vocab(self.vocab_size)
-        if self.tokenizer is None and (params.stop or params.json_schema or params.regex or params.ebnf):
+        if self.tokenizer is None and (params.stop or params.constrained):
             raise InvalidRequestError(
                 "stop strings and structured output need a tokenizer (skip_tokenizer_init)",
                 param="stop" if params.stop else "json_schema",

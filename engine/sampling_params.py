@@ -59,11 +59,18 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     """Also return the logprob of every prompt token after the first, with this many top
     alternatives (0: the prompt token only). Such a request computes its whole prompt (no prefix reuse)."""
-    # Structured output: at most one; the output is constrained to match it (xgrammar).
+    # Structured output: at most one; the output is constrained to match it (engine/runner/grammar.py).
     json_schema: Optional[str] = None
-    """A JSON schema as a JSON string; '{"type": "object"}' for any JSON object."""
+    """A JSON schema as a JSON string; '{"type": "object"}' for any JSON object. Enforced exactly, or refused."""
     regex: Optional[str] = None
     ebnf: Optional[str] = None
+    lark: Optional[str] = None
+    """An llguidance Lark grammar (it may embed JSON schemas as `%json {...}`)."""
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a structured-output constraint (json_schema, regex, ebnf or lark) is set."""
+        return any(c is not None for c in (self.json_schema, self.regex, self.ebnf, self.lark))
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -149,12 +156,12 @@ class SamplingParams:
         )
         check(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be token ids >= 0")
         self._validate_logit_bias()
-        constraints = [c for c in (self.json_schema, self.regex, self.ebnf) if c is not None]
-        check(len(constraints) <= 1, "json_schema", "cannot be combined with regex or ebnf (give one constraint)")
+        constraints = [c for c in (self.json_schema, self.regex, self.ebnf, self.lark) if c is not None]
+        check(len(constraints) <= 1, "json_schema", "cannot be combined with regex, ebnf or lark (give one constraint)")
         check(
             all(isinstance(c, str) and c and _is_unicode(c) for c in constraints),
             "json_schema",
-            "/regex/ebnf must be non-empty strings of valid Unicode",
+            "/regex/ebnf/lark must be non-empty strings of valid Unicode",
         )
 
     def _validate_logit_bias(self) -> None:

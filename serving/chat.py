@@ -5,9 +5,9 @@
         response_format or a forced tool choice) ──GenerationStream──▶ ChoiceState / chunks
 
 Tool modes (`ChatPlan.tool_mode`): None (no tools or tool_choice "none"), "auto" (output parsed
-for a call), "forced" ("required" or a named function: the output is constrained to one call).
-`parallel_tool_calls: false` keeps at most the first call a choice makes (a forced choice makes
-exactly one); true, the default, permits several.
+for a call; constrained to free text or strict calls when a tool is `strict`), "forced" ("required"
+or a named function: the output is constrained to a call, or with "required" one or more).
+A forced call cut by max_tokens gives content null, no tool_calls and finish_reason "length".
 Parameters the server does not honour are refused first (serving/unsupported.py).
 """
 
@@ -19,6 +19,8 @@ from typing import Any, Dict, List, Optional
 
 from fastapi import APIRouter, Request
 
+from engine.errors import InvalidRequestError
+from engine.runner.json_schema import json_schema_grammar
 from serving import tool_calls as tc
 from serving.chat_stream import chat_events, logprob_entries
 from serving.errors import APIError
@@ -30,7 +32,6 @@ from serving.protocol import (
     ChatMessage,
     ChoiceLogprobs,
     Tool,
-    ToolCall,
     new_id,
 )
 from serving.state import ServingState, get_state
@@ -96,15 +97,20 @@ class ChatPlan:
     tool_mode: Optional[str]
     tools: List[Tool]
     """The tools a call may name (all of them, or the named one)."""
-    max_calls: Optional[int] = None
-    """At most this many calls per choice (1 with parallel_tool_calls=false; None: no limit)."""
+    lark: Optional[str] = None
+    """The grammar of "auto" with a strict tool (free text or strict calls; tool_calls.py)."""
+    parallel_tool_calls: Optional[bool] = None
 
-    def parse_calls(self, text: str) -> Optional[List[ToolCall]]:
-        """The tool calls in a choice's `text` (None when it is no call), at most `max_calls` of them."""
+    def parse_calls(self, text: str) -> Optional[List[Any]]:
+        """The tool calls in a choice's text (None: it is content, or a cut call: see `is_cut_call`)."""
         if not self.tool_mode:
             return None
-        calls = tc.parse_tool_calls(text, self.tools)
-        return calls[: self.max_calls] if calls and self.max_calls is not None else calls
+        bare = self.tool_mode == "forced" or self.lark is not None
+        return tc.parse_tool_calls(text, self.tools, bare=bare, parallel=self.parallel_tool_calls)
+
+    def is_cut_call(self, text: str) -> bool:
+        """Text that is neither content nor a call: a forced (or strict "auto") call cut short."""
+        return bool(self.tool_mode) and tc.is_cut_call(text, self.tool_mode == "forced", self.lark is not None)
 
 
 def _check_schema(schema: Dict[str, Any], what: str) -> None:
@@ -115,6 +121,22 @@ def _check_schema(schema: Dict[str, Any], what: str) -> None:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
         raise APIError(400, f"{what} is not a valid JSON schema: {exc.message}", "tools", "invalid_request") from exc
+
+
+def _answer_schema(body: ChatCompletionRequest) -> Optional[Dict[str, Any]]:
+    """The schema response_format asks for (None: free text); 400 unless it can be enforced exactly."""
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "object"}
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise APIError(400, "response_format.json_schema.schema is required", "response_format", "invalid_request")
+    try:
+        json_schema_grammar(fmt.json_schema.schema_)
+    except InvalidRequestError as exc:
+        raise APIError(400, f"response_format: {exc}", "response_format", "invalid_request") from exc
+    return fmt.json_schema.schema_
 
 
 def plan_chat(st: ServingState, body: ChatCompletionRequest) -> ChatPlan:
@@ -149,17 +171,15 @@ def plan_chat(st: ServingState, body: ChatCompletionRequest) -> ChatPlan:
         add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
         **kwargs,
     )
-    schema = None
+    answer = _answer_schema(body)
+    schema = lark = None
     if tool_mode == "forced":
-        schema = json.dumps(tc.call_schema(allowed))
-    elif body.response_format is not None and body.response_format.type == "json_object":
-        schema = json.dumps({"type": "object"})
-    elif body.response_format is not None and body.response_format.type == "json_schema":
-        fmt = body.response_format.json_schema
-        if fmt is None or fmt.schema_ is None:
-            raise APIError(400, "response_format.json_schema.schema is required", "response_format", "invalid_request")
-        schema = json.dumps(fmt.schema_)
-    return ChatPlan(ids, schema, tool_mode, allowed, 1 if body.parallel_tool_calls is False else None)
+        schema = tc.forced_schema(allowed, choice, body.parallel_tool_calls)
+    elif tool_mode == "auto" and tc.any_strict(allowed):
+        lark = tc.strict_auto_grammar(allowed, body.parallel_tool_calls, answer)
+    elif answer is not None:
+        schema = json.dumps(answer)
+    return ChatPlan(ids, schema, tool_mode, allowed, lark, body.parallel_tool_calls)
 
 
 @router.post(
@@ -178,7 +198,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = st.check_context(len(plan.prompt_ids), requested, "messages")
     params = st.sampling_params(
-        body, max_tokens, logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0, json_schema=plan.json_schema
+        body,
+        max_tokens,
+        logprobs=body.logprobs,
+        top_logprobs=body.top_logprobs or 0,
+        json_schema=plan.json_schema,
+        lark=plan.lark,
     )
     rid = new_id("chatcmpl")
     stream = await st.start_stream([plan.prompt_ids], params, rid, body.timeout, request)
@@ -189,7 +214,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     for k, s in enumerate(states):
         text, finish = s.full_text, s.finish_reason
         calls = plan.parse_calls(text)
-        message = AssistantMessage(content=None if calls else text, tool_calls=calls)
+        message = AssistantMessage(content=None if calls or plan.is_cut_call(text) else text, tool_calls=calls)
         lps = ChoiceLogprobs(content=logprob_entries(st, s.logprobs)) if body.logprobs else None
         choices.append(
             ChatChoice(index=k, message=message, logprobs=lps, finish_reason="tool_calls" if calls else finish)

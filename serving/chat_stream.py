@@ -4,7 +4,8 @@ Per choice: a first chunk with the role, then content deltas, then a chunk with 
 finish_reason; with `stream_options.include_usage`, a last chunk with `choices: []` and usage.
 Tool calls: a forced call (tool_choice "required" / named) is held until the choice finishes,
 then sent as OpenAI tool-call deltas (id, type and name first, then the arguments), with
-finish_reason "tool_calls". With "auto", text is held only while it may still become a call
+finish_reason "tool_calls"; cut by max_tokens, it sends nothing but finish_reason "length".
+With "auto", text is held only while it may still become a call
 (it starts like JSON or <tool_call>); once it cannot, it streams as content.
 """
 
@@ -109,7 +110,7 @@ async def chat_events(
                     yield chunk(
                         out.index, {"tool_calls": [{"index": j, "function": {"arguments": call.function.arguments}}]}
                     )
-            elif text or c.held_logprobs:
+            elif (text or c.held_logprobs) and not plan.is_cut_call(text):
                 yield chunk(out.index, {"content": text}, c.held_logprobs)
         yield chunk(out.index, {}, None, finish)
     if include_usage:

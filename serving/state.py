@@ -122,6 +122,7 @@ class ServingState:
         top_logprobs: int = 0,
         json_schema: Optional[str] = None,
         prompt_logprobs: Optional[int] = None,
+        lark: Optional[str] = None,
     ) -> SamplingParams:
         """SamplingParams from an OpenAI body (plus SGLang extras); out-of-range values → 400."""
         values = dict(
@@ -144,6 +145,7 @@ class ServingState:
             json_schema=json_schema,
             regex=body.regex,
             ebnf=body.ebnf,
+            lark=lark,
             prompt_logprobs=prompt_logprobs,
             logit_bias=body.logit_bias,
         )

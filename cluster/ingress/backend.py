@@ -141,7 +141,7 @@ class Continuation:
 
     def __init__(self, input_ids: List[int], params: SamplingParams):
         self.input_ids, self.params = input_ids, params
-        constrained = params.json_schema is not None or params.regex is not None or params.ebnf is not None
+        constrained = params.constrained
         self.resumable = params.n == 1 and not constrained and params.prompt_logprobs is None
         """Whether the request can go on elsewhere after a cut (decided once)."""
         self.generated: List[int] = []

@@ -1,9 +1,16 @@
-"""Structured output: JSON schema, regex and EBNF constraints, compiled and enforced by xgrammar.
+"""Structured output: JSON schema, Lark, regex and EBNF constraints, compiled and enforced.
+
+Backends: JSON schemas and Lark grammars (which may embed JSON schemas with `%json`) go to
+llguidance, which either builds a grammar that matches the schema exactly or refuses it with an
+error naming the keyword (engine/runner/json_schema.py adds the few refusals it lacks); regex
+and EBNF go to xgrammar. JSON is generated compact (no whitespace between tokens) unless the
+schema's top-level "x-guidance" sets "whitespace_flexible": true. Both backends fill the same
+int32 bitmask layout.
 
 Data flow and owners:
 
-    SamplingParams.json_schema / regex / ebnf
-      ─GrammarCompiler.compile (Engine, caller's thread; cached per (kind, text))─▶ xgrammar.CompiledGrammar
+    SamplingParams.json_schema / lark / regex / ebnf
+      ─GrammarCompiler.compile (Engine, caller's thread; cached per (kind, text))─▶ LlgGrammar | CompiledGrammar
       ─one GrammarState per choice (Req.grammar)─┐
     ModelRunner: build_vocab_mask(grammars) ─────┴─▶ VocabMask (bs, ceil(V / 32)) int32 bitmask
     Sampler: VocabMask.apply_(logits) ─▶ disallowed logits = -inf ─▶ sample / argmax
@@ -13,7 +20,8 @@ A GrammarState lives as long as its Req and has consumed exactly `req.output_ids
 A retracted request keeps both, so on resume (a prefill over prompt + outputs) nothing
 is re-accepted: the next sampled token is the next one the matcher sees.
 
-xgrammar is imported lazily (importing it takes seconds), on the first grammar request.
+xgrammar and llguidance are imported lazily (importing xgrammar takes seconds), on the first
+grammar request.
 """
 
 from __future__ import annotations
@@ -30,11 +38,13 @@ from typing import Any, List, NamedTuple, Optional, Sequence
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.runner.json_schema import explain, json_schema_grammar
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
+GRAMMAR_KINDS = ("json_schema", "lark", "regex", "ebnf")
+_WHAT = {"json_schema": "JSON schema", "lark": "Lark grammar", "regex": "regex", "ebnf": "EBNF grammar"}
 # Strips xgrammar's C++ log prefix ("[12:00:00] /project/cpp/x.cc:83: ") from error messages.
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+?:\d+: (Check failed: \(.*?\) is false: )?")
 
@@ -88,13 +98,15 @@ class GrammarCompiler:
         self._cache: "OrderedDict[GrammarKey, Any]" = OrderedDict()
         self._lock = threading.Lock()
         self._compiler: Any = None
+        self._llg: Any = None
         self.stats = dict(hits=0, compiles=0)
 
     def compile(self, params: SamplingParams) -> Optional[Any]:
-        """The xgrammar.CompiledGrammar of `params`' constraint (None when it has none).
+        """The compiled constraint of `params` (LlgGrammar for json_schema / lark, an
+        xgrammar.CompiledGrammar for regex / ebnf; None when it has none).
 
-        Raises InvalidRequestError(param=kind) when the schema, regex or grammar is invalid
-        or unsupported.
+        Raises InvalidRequestError(param=kind) when the schema, regex or grammar is invalid,
+        or (JSON schema) uses a feature that would not be enforced exactly; the message names it.
         """
         key = grammar_key(params)
         if key is None:
@@ -130,47 +142,106 @@ class GrammarCompiler:
                 self._compiler = xgr.GrammarCompiler(info, max_threads=self.max_threads)
             return self._compiler
 
+    def _llg_tokenizer(self, kind: str) -> Any:
+        with self._lock:
+            if self._llg is None:
+                import llguidance.hf  # noqa: PLC0415
+
+                try:
+                    self._llg = llguidance.hf.from_tokenizer(
+                        self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.stop_token_ids or None
+                    )
+                except Exception as exc:  # noqa: BLE001 - reported to the caller as unsupported
+                    raise InvalidRequestError(
+                        f"structured output is not supported for this tokenizer: {exc}", param=kind
+                    ) from exc
+            return self._llg
+
     def _compile(self, key: GrammarKey) -> Any:
+        if key.kind in ("json_schema", "lark"):
+            return self._compile_llg(key)
         compiler = self._xgrammar_compiler(key.kind)
-        if key.kind == "json_schema":
-            try:
-                json.loads(key.text)
-            except ValueError as exc:
-                raise InvalidRequestError(f"json_schema is not valid JSON: {exc}", param="json_schema") from exc
         try:
-            if key.kind == "json_schema":
-                return compiler.compile_json_schema(key.text)
             if key.kind == "regex":
                 return compiler.compile_regex(key.text)
             return compiler.compile_grammar(key.text)
         except (RuntimeError, ValueError, TypeError) as exc:
-            what = {"json_schema": "JSON schema", "regex": "regex", "ebnf": "EBNF grammar"}[key.kind]
             msg = _CPP_PREFIX.sub("", str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc))
-            raise InvalidRequestError(f"invalid or unsupported {what}: {msg}", param=key.kind) from exc
+            raise InvalidRequestError(f"invalid or unsupported {_WHAT[key.kind]}: {msg}", param=key.kind) from exc
+
+    def _compile_llg(self, key: GrammarKey) -> "LlgGrammar":
+        import llguidance  # noqa: PLC0415
+
+        tokenizer = self._llg_tokenizer(key.kind)
+        if key.kind == "json_schema":
+            try:
+                schema = json.loads(key.text)
+            except (ValueError, RecursionError) as exc:
+                raise InvalidRequestError(f"json_schema is not valid JSON: {exc}", param="json_schema") from exc
+            grammar = json_schema_grammar(schema)
+        else:
+            grammar = llguidance.LLMatcher.grammar_from_lark(key.text)
+        error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+        matcher = None if error else llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if matcher is not None and matcher.is_error():
+            error = matcher.get_error()
+        if error:
+            what = "unsupported JSON schema" if key.kind == "json_schema" else "invalid or unsupported Lark grammar"
+            raise InvalidRequestError(f"{what}: {explain(error)}", param=key.kind)
+        return LlgGrammar(matcher, frozenset(self.stop_token_ids))
+
+
+@dataclass(frozen=True)
+class LlgGrammar:
+    """A compiled llguidance grammar: a matcher at its start, copied for each request (never advanced)."""
+
+    template: Any
+    """llguidance.LLMatcher in its initial state."""
+    stop_token_ids: frozenset
+    """The tokens that end a completed grammar (its EOS)."""
 
 
 class GrammarState:
-    """One request's position in its grammar (wraps xgrammar.GrammarMatcher).
+    """One request's position in its grammar (an xgrammar.GrammarMatcher or an llguidance.LLMatcher).
 
     Used only by the engine loop thread. It has consumed exactly the request's output
     tokens; it ends terminated once it accepts a stop token (EOS) after a complete match.
     """
 
     def __init__(self, compiled: Any):
-        import xgrammar as xgr  # noqa: PLC0415
+        if isinstance(compiled, LlgGrammar):
+            self._llg = compiled.template.deep_copy()
+            self._stops = compiled.stop_token_ids
+            self._matcher = None
+            self._done = False
+        else:
+            import xgrammar as xgr  # noqa: PLC0415
 
-        self._matcher = xgr.GrammarMatcher(compiled)
+            self._llg = None
+            self._matcher = xgr.GrammarMatcher(compiled)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into `bitmask[row]` ((bs, ceil(V / 32)) int32, cpu)."""
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+        if self._llg is not None:
+            import llguidance.torch  # noqa: PLC0415
+
+            llguidance.torch.fill_next_token_bitmask(self._llg, bitmask, row)
+        else:
+            self._matcher.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token_id: int) -> bool:
-        """Advance by one sampled token; False (state unchanged) when the grammar forbids it."""
+        """Advance by one sampled token; False when the grammar forbids it."""
+        if self._llg is not None:
+            ok = bool(self._llg.consume_token(int(token_id))) and not self._llg.is_error()
+            # llguidance stops as soon as nothing but EOS may follow; the request ends on the EOS itself.
+            self._done = ok and int(token_id) in self._stops and self._llg.is_stopped()
+            return ok
         return bool(self._matcher.accept_token(int(token_id)))
 
     def is_terminated(self) -> bool:
         """True once the grammar is complete and its stop token has been accepted."""
+        if self._llg is not None:
+            return self._done
         return bool(self._matcher.is_terminated())
 
 

@@ -38,6 +38,7 @@ def run_script(name, *args):
         "bench_online.py",
         "bench_tp.py",
         "bench_allreduce.py",
+        "bench_grammar.py",
     ],
 )
 def test_help(name):

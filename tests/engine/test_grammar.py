@@ -108,6 +108,10 @@ def test_ebnf_choice(default_engine):
     [
         (dict(json_schema="{not json"), "json_schema"),
         (dict(json_schema='{"type": "no-such-type"}'), "json_schema"),
+        (dict(json_schema='{"oneOf": [{"type": "integer"}, {"type": "number"}]}'), "json_schema"),
+        (dict(json_schema='{"required": [{"a": 1}], "minProperties": 3}'), "json_schema"),
+        (dict(json_schema='{"items": ' * 3000 + "{}" + "}" * 3000), "json_schema"),  # nested too deeply
+        (dict(lark="start: %json {"), "lark"),
         (dict(regex="a(b"), "regex"),
         (dict(ebnf='root ::= "a" |'), "ebnf"),
         (dict(ebnf='start ::= "a"'), "ebnf"),  # no root rule
