@@ -1,6 +1,7 @@
 """Admission control in the cluster (real local Ray cluster, CPU): 2 workers that admit 2 requests each
 (max_running_requests=2, max_queued_requests=0), and a rate limit of 30 requests per minute per API key
-at the ingress (the admission tests send fewer, without a key; the rate-limit test runs last).
+at the ingress (the admission tests send fewer, without a key; the rate-limit test runs last). The
+application replaces the pool-scaling tests' on the same Ray and Serve (cluster_harness.SHARED_SERVE).
 
 - a worker that refuses (queue_full) has the request routed to another worker of the pool;
 - when every worker has refused or is full, the ingress answers 503 queue_full with Retry-After, and a
@@ -23,16 +24,15 @@ from ray import serve  # noqa: E402
 
 from cluster.config import ClusterArgs  # noqa: E402
 from cluster.router.policies import PoolFullError  # noqa: E402
-from cluster_harness import router_stats, start_serve, stop_serve, wait_for  # noqa: E402
+from cluster_harness import SHARED_SERVE, router_stats, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 APP = "radixserve-admission"
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    args = ClusterArgs(
+def _args() -> ClusterArgs:
+    return ClusterArgs(
         workers=2,
         policy="round_robin",
         num_cpus=0.5,
@@ -42,8 +42,11 @@ def cluster():
         report_interval_s=0.25,
         rate_limit_requests_per_minute=30,
     )
-    yield start_serve(args, APP)
-    stop_serve()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    return SHARED_SERVE.deploy(APP, _args)
 
 
 def _served() -> dict:
