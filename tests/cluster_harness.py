@@ -34,6 +34,12 @@ proxy inherits it from). A stopping ingress replica leaves at once: with HAProxy
 reachable for 30 s so that load balancers in front can deregister it, and none is in front of a test."""
 
 
+RAY_REGISTER_TIMEOUT = ("RAY_worker_register_timeout_seconds", "180")
+"""Read by the raylet that ray.init starts (a child of this process): how long a new Ray worker process may
+take to register. Ray's 60 s default is missed when the 2 CPUs are overloaded (every replica imports torch)
+and Ray then refuses the actor ("worker startup repeatedly failed")."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -57,6 +63,7 @@ def start_serve(args, app: str, env: Optional[Dict[str, str]] = None) -> str:
     # test cluster on this machine (another checkout's tests) cannot fail to start on a taken port.
     ports = {"RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port())}
     os.environ.update(ports)
+    os.environ.setdefault(*RAY_REGISTER_TIMEOUT)
     ray.init(
         num_cpus=2,
         include_dashboard=False,
