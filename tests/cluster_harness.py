@@ -3,6 +3,10 @@
 url = start_serve(ClusterArgs(...), app="name")   # ray.init(num_cpus=2) + Serve on a free port
 ...
 stop_serve()
+
+or, for modules next to each other that share Ray and Serve (tests/cluster/conftest.py stops them):
+
+url = SHARED_SERVE.deploy("name", lambda: ClusterArgs(...))
 """
 
 import asyncio
@@ -30,6 +34,12 @@ proxy inherits it from). A stopping ingress replica leaves at once: with HAProxy
 reachable for 30 s so that load balancers in front can deregister it, and none is in front of a test."""
 
 
+RAY_REGISTER_TIMEOUT = ("RAY_worker_register_timeout_seconds", "180")
+"""Read by the raylet that ray.init starts (a child of this process): how long a new Ray worker process may
+take to register. Ray's 60 s default is missed when the 2 CPUs are overloaded (every replica imports torch)
+and Ray then refuses the actor ("worker startup repeatedly failed")."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -53,6 +63,7 @@ def start_serve(args, app: str, env: Optional[Dict[str, str]] = None) -> str:
     # test cluster on this machine (another checkout's tests) cannot fail to start on a taken port.
     ports = {"RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port())}
     os.environ.update(ports)
+    os.environ.setdefault(*RAY_REGISTER_TIMEOUT)
     ray.init(
         num_cpus=2,
         include_dashboard=False,
@@ -73,6 +84,79 @@ def stop_serve() -> None:
     ray.shutdown()
 
 
+def _answers(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=10).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+class SharedServe:
+    """Ray and Serve kept up for test modules that run one after another: started by the first test that
+    deploys an application (`deploy`), stopped once the next test is in none of `modules` (`stop_after`,
+    called by tests/cluster/conftest.py after every test), since a process holds one Ray cluster at a time
+    and the next module may start its own. One application at a time: deploying another one deletes the
+    one before (each is sized for the test cluster's 2 CPUs), so modules that deploy the same application
+    share it, and a module with other ClusterArgs pays for its application's start only, not for Ray's and
+    Serve's. A module that shares an application brings it to the state its tests need first."""
+
+    def __init__(self, modules: Tuple[str, ...]):
+        self.modules = modules
+        self._url: Optional[str] = None
+        self._app: Optional[str] = None
+
+    def deploy(self, app: str, args: Callable[[], object]) -> str:
+        """The base URL of application `app`, deployed from `args()` unless it is the one running."""
+        if self._app == app:
+            return self._url
+        try:
+            if self._url is None:
+                self._url = start_serve(args(), app)
+            else:
+                from ray import serve
+
+                from cluster.app import deployment
+
+                serve.delete(self._app)
+                self._app = None
+                serve.run(deployment(args()), name=app, route_prefix="/")
+                # the proxy's route to "/" changed application: wait until it reaches the new one
+                wait_for(lambda: _answers(f"{self._url}/health"), 60, f"{app} behind the proxy", 0.5)
+            self._app = app
+        except BaseException:
+            self.stop()  # a half-started cluster must not block the next module's ray.init
+            raise
+        return self._url
+
+    def stop(self) -> None:
+        import ray
+
+        self._url = self._app = None
+        if ray.is_initialized():
+            stop_serve()
+
+    def stop_after(self, nextitem) -> None:
+        if self._url is not None and (nextitem is None or nextitem.path.name not in self.modules):
+            self.stop()
+
+
+SHARED_SERVE = SharedServe(
+    (
+        "test_admin.py",
+        "test_admin_autoscaling.py",
+        "test_admin_dashboard.py",
+        "test_admission.py",
+        "test_disaggregated.py",
+        "test_disaggregated_admin.py",
+    )
+)
+"""Ray and Serve with HAProxy in front for these modules, run one after another (tests/cluster/conftest.py
+orders them so): the pool-scaling tests' application (pools_harness.py), test_admission.py's, then the
+disaggregated one (disagg_harness.py)."""
+
+
 def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.25):
     """Poll `predicate` until it returns something truthy (returned); AssertionError after `timeout` s."""
     deadline = time.time() + timeout
@@ -85,10 +169,18 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str, interva
         time.sleep(interval)
 
 
-async def abort_storm(base_url: str, model: str, total: int = 120, concurrency: int = 24, seed: int = 0) -> Dict:
+async def abort_storm(
+    base_url: str,
+    model: str,
+    total: int = 120,
+    concurrency: int = 24,
+    seed: int = 0,
+    headers: Optional[Dict[str, str]] = None,
+) -> Dict:
     """`total` requests, `concurrency` at a time, about half of them closed by the client at a random moment
     in their first second: before routing answers, before the first token (longer prompts), or mid-stream.
-    Completions and chat, streamed and not. Returns counts of "completed", "aborted" and "error" (non-200).
+    Completions and chat, streamed and not, with `headers` (e.g. an API key). Returns counts of "completed",
+    "aborted" and "error" (non-200).
 
     Behind HAProxy an ingress learns of a closed client when it next writes to it: a streamed request is
     aborted at its next token, a non-streamed one runs to its end (its pages are freed then)."""
@@ -129,7 +221,7 @@ async def abort_storm(base_url: str, model: str, total: int = 120, concurrency: 
             except asyncio.TimeoutError:
                 counts["aborted"] += 1
 
-    async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
+    async with httpx.AsyncClient(base_url=base_url, timeout=120, headers=headers) as client:
         await asyncio.gather(*(one(client) for _ in range(total)))
     return dict(counts)
 
@@ -187,8 +279,9 @@ async def streams_across_a_kill(
         return reference, list(await asyncio.gather(*tasks))
 
 
-def router_stats(http) -> dict:
-    """GET /router/stats through an httpx client on the cluster's URL, asserting a 200."""
-    r = http.get("/router/stats")
+def router_stats(http, headers: Optional[Dict[str, str]] = None) -> dict:
+    """GET /router/stats through an httpx client on the cluster's URL (with `headers`: the admin key where
+    one is set), asserting a 200."""
+    r = http.get("/router/stats", headers=headers)
     assert r.status_code == 200, r.text
     return r.json()

@@ -11,7 +11,6 @@ import os
 import pytest
 
 from engine_harness import make_engine
-from pools_harness import pytest_runtest_teardown  # noqa: F401 - stops the pool tests' shared cluster
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

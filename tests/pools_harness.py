@@ -1,6 +1,7 @@
-"""One CPU cluster shared by the pool-scaling tests (test_admin*.py): started by the first of them
-and stopped after the last (`pytest_runtest_teardown`, imported by conftest.py), so the three
-modules pay Ray's and the model's start-up once. Each test sets the pool state it needs first.
+"""One CPU cluster shared by the pool-scaling tests (test_admin.py, test_admin_autoscaling.py,
+test_admin_dashboard.py): deployed by the first of them on Ray and Serve that stay up for the
+applications of the modules after them (cluster_harness.SHARED_SERVE), so the three modules pay the
+cluster's start-up once. Each test sets the pool state it needs first.
 
 The cluster: unified pool, 1 worker to start, autoscaling 1..2 on waiting requests with short
 delays, round_robin routing (a new replica gets requests at once), an API key and a distinct admin
@@ -14,7 +15,7 @@ from typing import Dict, List
 import httpx
 import pytest
 
-from cluster_harness import start_serve, stop_serve, wait_for  # noqa: F401 - wait_for is used by the test modules
+from cluster_harness import SHARED_SERVE, wait_for  # noqa: F401 - wait_for is used by the test modules
 
 APP = "radixserve-pools-test"
 MODEL = "SmolLM2-135M-Instruct"
@@ -22,15 +23,12 @@ API_KEY = "user-key-123"
 ADMIN_KEY = "admin-key-456"
 USER = {"Authorization": f"Bearer {API_KEY}"}
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
-SHARED_MODULES = ("test_admin.py", "test_admin_autoscaling.py", "test_admin_dashboard.py")
-
-_cluster: Dict[str, str] = {}
 
 
-def _start() -> str:
+def _args():
     from cluster.config import ClusterArgs
 
-    args = ClusterArgs(
+    return ClusterArgs(
         workers=1,
         policy="round_robin",
         num_cpus=0.5,
@@ -47,26 +45,12 @@ def _start() -> str:
             "downscale_delay_s": 3.0,
         },
     )
-    return start_serve(args, APP)
-
-
-def _stop() -> None:
-    if _cluster.pop("url", None) is not None:
-        stop_serve()
-
-
-def pytest_runtest_teardown(item, nextitem) -> None:
-    """Stop the shared cluster once the next test is not one of the pool-scaling modules."""
-    if _cluster and (nextitem is None or nextitem.path.name not in SHARED_MODULES):
-        _stop()
 
 
 @pytest.fixture(scope="module")
 def pools_cluster() -> str:
     pytest.importorskip("ray")
-    if "url" not in _cluster:
-        _cluster["url"] = _start()
-    return _cluster["url"]
+    return SHARED_SERVE.deploy(APP, _args)
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,8 @@
 pools_harness.py): auth, scaling a pool at run time while requests flow, drain, pool metrics.
 
 Disaggregated mode (prefill 1 → 2 while decode stays at 1, and the reverse) is in
-test_scale_prefill_and_decode_independently, which builds its own cluster (skipped until
-mode=disaggregated runs on CPU). Nothing here asserts on timings.
+test_disaggregated_admin.py, on the disaggregated cluster (disagg_harness.py). Nothing here asserts on
+timings.
 """
 
 import json

@@ -1,6 +1,7 @@
 """Admission control in the cluster (real local Ray cluster, CPU): 2 workers that admit 2 requests each
 (max_running_requests=2, max_queued_requests=0), and a rate limit of 30 requests per minute per API key
-at the ingress (the admission tests send fewer, without a key; the rate-limit test runs last).
+at the ingress (the admission tests send fewer, without a key; the rate-limit test runs last). The
+application replaces the pool-scaling tests' on the same Ray and Serve (cluster_harness.SHARED_SERVE).
 
 - a worker that refuses (queue_full) has the request routed to another worker of the pool;
 - when every worker has refused or is full, the ingress answers 503 queue_full with Retry-After, and a
@@ -23,16 +24,15 @@ from ray import serve  # noqa: E402
 
 from cluster.config import ClusterArgs  # noqa: E402
 from cluster.router.policies import PoolFullError  # noqa: E402
-from cluster_harness import router_stats, start_serve, stop_serve, wait_for  # noqa: E402
+from cluster_harness import SHARED_SERVE, cluster_idle, router_stats, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 APP = "radixserve-admission"
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    args = ClusterArgs(
+def _args() -> ClusterArgs:
+    return ClusterArgs(
         workers=2,
         policy="round_robin",
         num_cpus=0.5,
@@ -42,8 +42,11 @@ def cluster():
         report_interval_s=0.25,
         rate_limit_requests_per_minute=30,
     )
-    yield start_serve(args, APP)
-    stop_serve()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    return SHARED_SERVE.deploy(APP, _args)
 
 
 def _served() -> dict:
@@ -104,8 +107,11 @@ def test_full_worker_hands_the_request_to_another_then_503(cluster, http):
                 assert r.headers["retry-after"] == "1"
                 assert r.json()["error"]["code"] == "queue_full"
                 assert _served()["d"] == [w_a]
-    wait_for(lambda: set(_in_flight(http).values()) == {0}, 60, "the router to count nothing in flight")
-    assert http.post("/generate", json=_generate("e")).status_code == 200  # admitted again
+    # The router's count drops when the ingress ends a request; the worker's engine frees its slot when it
+    # next steps: wait for both (the workers report every 0.25 s), or a refusal from a still-full engine races.
+    wait_for(lambda: cluster_idle(router_stats(http)), 60, "nothing in flight at the router or in an engine")
+    r = http.post("/generate", json=_generate("e"))
+    assert r.status_code == 200, r.text  # admitted again
 
 
 def test_full_pool_is_refused_without_calling_a_worker(cluster, http):

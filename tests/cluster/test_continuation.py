@@ -1,6 +1,6 @@
 """Continuation: a request whose worker died mid-stream goes on elsewhere from its tokens so far. The
 end-to-end runs (a worker or a decode replica killed under 16 streams) are in test_cluster.py and
-test_admin_disaggregated.py."""
+test_disaggregated_admin.py."""
 
 import pytest
 

@@ -1,5 +1,6 @@
 """mode=disaggregated on CPU: 1 prefill + 1 decode replica of the default model, KV handed over
-through NIXL over host memory (UCX).
+through NIXL over host memory (UCX). The cluster is shared with test_disaggregated_admin.py, which runs
+next (disagg_harness.py): requests carry its API key, /router/stats its admin key.
 
 Checked: greedy outputs (batch and streaming) token-identical to unified mode (a local Engine),
 both replicas pinned per request, and failures — client aborts at several points of a request
@@ -19,37 +20,21 @@ import pytest
 ray = pytest.importorskip("ray")
 pytest.importorskip("nixl_cu13._api")
 
-from cluster.config import ClusterArgs  # noqa: E402
-from cluster_harness import abort_storm, start_serve, stop_serve, wait_for as _wait  # noqa: E402
+from cluster_harness import abort_storm, router_stats, wait_for as _wait  # noqa: E402
+from disagg_harness import ADMIN, APP, MODEL, PAGE, USER  # noqa: E402
 from engine_harness import PROMPTS, make_engine  # noqa: E402
 
-APP = "radixserve-pd"
-MODEL = "SmolLM2-135M-Instruct"
-PAGE = 4
 LONG_PROMPT = " ".join(f"item {i} is filed under section {i % 7}." for i in range(90))  # ~900 tokens
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    args = ClusterArgs(
-        mode="disaggregated",
-        prefill_workers=1,
-        decode_workers=1,
-        kv_transfer="nixl",
-        num_cpus=0.5,
-        max_total_tokens=4096,
-        page_size=PAGE,
-        report_interval_s=0.25,
-        kv_transfer_timeout_s=20,
-        health_check_period_s=1.0,
-    )
-    yield start_serve(args, APP)
-    stop_serve()
+def cluster(disagg_cluster):
+    return disagg_cluster
 
 
 @pytest.fixture(scope="module")
 def http(cluster):
-    with httpx.Client(base_url=cluster, timeout=180) as client:
+    with httpx.Client(base_url=cluster, timeout=180, headers=USER) as client:
         yield client
 
 
@@ -61,10 +46,8 @@ def reference():
 
 
 def _pools(http) -> dict:
-    r = http.get("/router/stats")
-    assert r.status_code == 200, r.text
     out: dict = {}
-    for wid, w in r.json()["workers"].items():
+    for wid, w in router_stats(http, ADMIN)["workers"].items():
         out.setdefault(w["pool"], {})[wid] = w
     return out
 
@@ -99,7 +82,7 @@ def test_greedy_outputs_identical_to_unified(http, reference):
     want = [o.text for o in reference.generate(PROMPTS, dict(max_new_tokens=16, temperature=0.0))]
 
     async def all_at_once():
-        async with httpx.AsyncClient(base_url=str(http.base_url), timeout=180) as client:
+        async with httpx.AsyncClient(base_url=str(http.base_url), timeout=180, headers=USER) as client:
             rs = await asyncio.gather(
                 *(
                     client.post("/v1/completions", json=dict(model=MODEL, prompt=p, max_tokens=16, temperature=0.0))
@@ -166,7 +149,7 @@ def test_abort_storm_leaks_nothing(cluster, http):
     """Requests closed by their client at random stages (before routing answers, during the prefill on
     the prefill replica or the KV handoff, mid-stream on the decode replica) leave nothing behind: no
     request in flight at the router, no page held outside the prefix caches, no handoff pending."""
-    counts = asyncio.run(abort_storm(cluster, MODEL, total=28, concurrency=8, seed=1))
+    counts = asyncio.run(abort_storm(cluster, MODEL, total=28, concurrency=8, seed=1, headers=USER))
     assert counts.get("aborted", 0) >= 5 and counts.get("completed", 0) >= 5 and not counts.get("error"), counts
     _wait(lambda: _all_idle_and_clean(http), 60, f"no leak after the abort storm {counts}")
     assert _completion(http, PROMPTS[0], 4)["usage"]["completion_tokens"] == 4
@@ -179,7 +162,7 @@ def _kill_during(http, deployment_name: str, delay_s: float, stream: bool):
     actor = ray.get_actor(f"SERVE_REPLICA::{APP}#{deployment_name}#{replica}", namespace="serve")
 
     async def run():
-        async with httpx.AsyncClient(base_url=str(http.base_url), timeout=150) as client:
+        async with httpx.AsyncClient(base_url=str(http.base_url), timeout=150, headers=USER) as client:
 
             async def request():
                 body = dict(model=MODEL, prompt=LONG_PROMPT, max_tokens=48, temperature=0.0, stream=stream)

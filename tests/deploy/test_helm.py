@@ -34,6 +34,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from cluster_harness import RAY_REGISTER_TIMEOUT
+
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "radixserve"
 CI_VALUES = {mode: CHART / "ci" / f"{mode}-values.yaml" for mode in ("unified", "disaggregated")}
@@ -566,6 +568,7 @@ def test_rendered_config_runs_on_ray_serve(helm, monkeypatch):
     monkeypatch.setenv("RADIXSERVE_API_KEY", "k8s-user-key")  # as the pods get them from the Secret
     monkeypatch.setenv("RADIXSERVE_ADMIN_KEY", "k8s-admin-key")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv(*RAY_REGISTER_TIMEOUT)
     ray.init(num_cpus=2, resources={"radixserve_unified": 1}, include_dashboard=False, log_to_driver=False)
     try:
         client = serve_start(

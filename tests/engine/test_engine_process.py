@@ -1,6 +1,6 @@
 """The EngineCore in a process of its own (EngineConfig.core_process, what servers run): the same outputs as
 the core in a thread, the same errors, no leaked page, and a dead core fails every request instead of
-hanging it."""
+hanging it. One core process serves the module; the last test kills it."""
 
 import asyncio
 import json
@@ -105,20 +105,18 @@ def test_structured_output_through_the_core_process(process_engine, default_engi
     assert got.token_ids == want.token_ids
 
 
-def test_a_killed_core_fails_every_request():
-    engine = make_engine(core_process=True)
-    try:
+def test_a_killed_core_fails_every_request(process_engine):
+    """Kills the module's core process, so it runs last; the fixture's shutdown then meets a dead core."""
+    engine = process_engine
 
-        async def run():
-            gen = engine.generate_stream(PROMPTS[0], dict(max_new_tokens=10**4, ignore_eos=True))
-            await gen.__anext__()
-            os.kill(engine.core.pid, signal.SIGKILL)
-            with pytest.raises(EngineDeadError):
-                async for _ in gen:
-                    pass
-
-        asyncio.run(asyncio.wait_for(run(), 60))
+    async def run():
+        gen = engine.generate_stream(PROMPTS[0], dict(max_new_tokens=10**4, ignore_eos=True))
+        await gen.__anext__()
+        os.kill(engine.core.pid, signal.SIGKILL)
         with pytest.raises(EngineDeadError):
-            engine.generate("more", dict(max_new_tokens=2))
-    finally:
-        engine.shutdown()
+            async for _ in gen:
+                pass
+
+    asyncio.run(asyncio.wait_for(run(), 60))
+    with pytest.raises(EngineDeadError):
+        engine.generate("more", dict(max_new_tokens=2))

@@ -1,17 +1,17 @@
 """Acceptance 1, disaggregated: through the admin API, while clients keep sending requests, the
 decode pool goes 1 → 2 replicas while the prefill pool stays at 1, and then the reverse (prefill
 1 → 2 while decode stays at 1). No request fails, the router starts using each new replica, and
-the pool left alone keeps its replica. Own CPU cluster (mode=disaggregated, KV over NIXL in host
-memory). Nothing here asserts on timings.
+the pool left alone keeps its replica. CPU cluster (mode=disaggregated, KV over NIXL in host memory)
+shared with test_disaggregated.py, which runs first (disagg_harness.py). Nothing here asserts on timings.
 """
 
 import asyncio
 
-import httpx
 import pytest
 
-from cluster_harness import start_serve, stop_serve, streams_across_a_kill
-from pools_harness import ADMIN, ADMIN_KEY, API_KEY, Load, running_ids, settle, wait_for
+from cluster_harness import streams_across_a_kill
+from disagg_harness import ADMIN, APP, MODEL, USER
+from pools_harness import Load, running_ids, settle, wait_for
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("nixl_cu13._api")
@@ -19,29 +19,10 @@ from ray import serve  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-APP = "radixserve-disagg-admin-test"
-MODEL = "SmolLM2-135M-Instruct"
-USER = {"Authorization": f"Bearer {API_KEY}"}
-
 
 @pytest.fixture(scope="module")
-def cluster():
-    from cluster.config import ClusterArgs
-
-    args = ClusterArgs(
-        mode="disaggregated",
-        prefill_workers=1,
-        decode_workers=1,
-        policy="round_robin",
-        num_cpus=0.5,
-        max_total_tokens=4096,
-        report_interval_s=0.25,
-        api_key=API_KEY,
-        admin_api_key=ADMIN_KEY,
-        kv_transfer="nixl",
-    )
-    yield start_serve(args, APP)
-    stop_serve()
+def cluster(disagg_cluster):
+    return disagg_cluster
 
 
 def _scale(http, pool: str, n: int) -> dict:
