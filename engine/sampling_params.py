@@ -17,11 +17,11 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 """Stop strings are matched against every new piece of text, so their number and length are bounded."""
 SEED_LIMIT = 2**64
+"""Seeds are unsigned 64-bit integers (what torch.Generator.manual_seed takes): [0, 2**64)."""
 LOGIT_BIAS_LIMIT = 100.0
 """logit_bias values lie in [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT] (OpenAI's range)."""
 MAX_LOGIT_BIAS_TOKENS = 1024
 """Tokens one request may bias (OpenAI's limit is 300; vLLM's 1024)."""
-"""Seeds are unsigned 64-bit integers (what torch.Generator.manual_seed takes): [0, 2**64)."""
 
 
 @dataclass
@@ -68,9 +68,14 @@ class SamplingParams:
     """An llguidance Lark grammar (it may embed JSON schemas as `%json {...}`)."""
 
     @property
+    def constraints(self) -> List[str]:
+        """The structured-output constraints set (json_schema, regex, ebnf, lark): at most one is valid."""
+        return [c for c in (self.json_schema, self.regex, self.ebnf, self.lark) if c is not None]
+
+    @property
     def constrained(self) -> bool:
         """Whether a structured-output constraint (json_schema, regex, ebnf or lark) is set."""
-        return any(c is not None for c in (self.json_schema, self.regex, self.ebnf, self.lark))
+        return bool(self.constraints)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -156,7 +161,7 @@ class SamplingParams:
         )
         check(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be token ids >= 0")
         self._validate_logit_bias()
-        constraints = [c for c in (self.json_schema, self.regex, self.ebnf, self.lark) if c is not None]
+        constraints = self.constraints
         check(len(constraints) <= 1, "json_schema", "cannot be combined with regex, ebnf or lark (give one constraint)")
         check(
             all(isinstance(c, str) and c and _is_unicode(c) for c in constraints),

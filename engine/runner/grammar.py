@@ -3,8 +3,9 @@
 Backends: JSON schemas and Lark grammars (which may embed JSON schemas with `%json`) go to
 llguidance, which either builds a grammar that matches the schema exactly or refuses it with an
 error naming the keyword (engine/runner/json_schema.py adds the few refusals it lacks); regex
-and EBNF go to xgrammar. JSON is generated compact (no whitespace between tokens) unless the
-schema's top-level "x-guidance" sets "whitespace_flexible": true. Both backends fill the same
+and EBNF go to xgrammar. JSON is generated on one line, with one space after "," and ":" and no
+other whitespace (json_schema.JSON_COMPACT), unless the schema's top-level "x-guidance" sets
+"whitespace_flexible": true. Both backends fill the same
 int32 bitmask layout.
 
 Data flow and owners:
