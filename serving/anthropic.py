@@ -152,14 +152,20 @@ def _response_format(body: CountTokensRequest) -> Optional[Dict[str, Any]]:
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
-def chat_request(body: CountTokensRequest) -> Tuple[ChatCompletionRequest, bool]:
-    """(the chat completion request answering `body`, whether parallel calls are disabled)."""
+def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
+    """The chat completion request answering `body` (`disable_parallel_tool_use`: parallel_tool_calls false)."""
     _check_unsupported(body)
     messages = [ChatMessage(role="system", content=_text_of(body.system, "system"))] if body.system else []
     for i, turn in enumerate(body.messages):
         messages += _turn(i, turn)
     choice, single = _tool_choice(body.tool_choice)
-    fields: Dict[str, Any] = dict(model=body.model, messages=messages, tools=_tools(body.tools), tool_choice=choice)
+    fields: Dict[str, Any] = dict(
+        model=body.model,
+        messages=messages,
+        tools=_tools(body.tools),
+        tool_choice=choice,
+        parallel_tool_calls=False if single else None,
+    )
     if isinstance(body, MessagesRequest):
         fields.update(
             max_completion_tokens=body.max_tokens,
@@ -171,7 +177,7 @@ def chat_request(body: CountTokensRequest) -> Tuple[ChatCompletionRequest, bool]
             response_format=_response_format(body),
         )
     try:
-        return ChatCompletionRequest(**fields), single
+        return ChatCompletionRequest(**fields)
     except ValidationError as exc:
         raise _bad(exc.errors()[0]["msg"], "messages") from exc
 
@@ -195,15 +201,12 @@ def _tool_use(call: ToolCall) -> Dict[str, Any]:
 async def create_message(body: MessagesRequest, request: Request):
     st = get_state(request)
     st.check_model(body.model)
-    chat, single = chat_request(body)
-    plan, params = prepare_chat(st, chat, _RENAME)
+    plan, params = prepare_chat(st, chat_request(body), _RENAME)
     mid = message_id()
     stream = await st.start_stream([plan.prompt_ids], params, mid, body.timeout, request)
     if body.stream:
-        return SSEResponse(
-            _events(mid, st.model_name, chat_deltas(plan, stream, single), stream), on_close=stream.close
-        )
-    last = await cancel_on_disconnect(request, run_chat(plan, stream, single))
+        return SSEResponse(_events(mid, st.model_name, chat_deltas(plan, stream), stream), on_close=stream.close)
+    last = await cancel_on_disconnect(request, run_chat(plan, stream))
     content = [_tool_use(c) for c in last.calls] if last.calls else [{"type": "text", "text": last.text}]
     reason, sequence = _stop(last)
     usage = usage_object(last.prompt_tokens, last.cached_tokens, last.completion_tokens)
@@ -260,7 +263,7 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> Dict[str, 
     """The prompt's token count as /v1/messages would render it (chat template, tools)."""
     st = get_state(request)
     st.check_model(body.model)
-    chat, _ = chat_request(body)
+    chat = chat_request(body)
     return {"input_tokens": len(plan_chat(st, chat).prompt_ids)}
 
 

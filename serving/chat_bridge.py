@@ -57,9 +57,10 @@ class Delta:
     completion_tokens: int = 0
 
 
-async def chat_deltas(plan: ChatPlan, stream: GenerationStream, single_call: bool = False) -> AsyncIterator[Delta]:
-    """The deltas of the one choice of `stream` (n = 1). `single_call`: keep only the first tool call
-    (the client asked for no parallel calls). The caller owns and closes `stream`."""
+async def chat_deltas(plan: ChatPlan, stream: GenerationStream) -> AsyncIterator[Delta]:
+    """The deltas of the one choice of `stream` (n = 1). Held text ends as the chat route ends it
+    (ChatPlan.parse_calls: calls, at most one with parallel_tool_calls false; a cut call is neither
+    calls nor text). The caller owns and closes `stream`."""
     holding = plan.tool_mode is not None
     held: List[str] = []
     async for _, out in stream.iterate():
@@ -82,20 +83,20 @@ async def chat_deltas(plan: ChatPlan, stream: GenerationStream, single_call: boo
         )
         if holding:
             text = "".join(held)
-            calls = tc.parse_tool_calls(text, plan.tools)
+            calls = plan.parse_calls(text)
             if calls:
-                last.calls, last.finish = (calls[:1] if single_call else calls), "tool_calls"
-            elif text:
+                last.calls, last.finish = calls, "tool_calls"
+            elif text and not plan.is_cut_call(text):
                 yield Delta(text=text)
         yield last
         return
 
 
-async def run_chat(plan: ChatPlan, stream: GenerationStream, single_call: bool = False) -> Delta:
+async def run_chat(plan: ChatPlan, stream: GenerationStream) -> Delta:
     """The whole answer as one Delta (text joined, calls, finish, counts); closes `stream`."""
     texts: List[str] = []
     try:
-        async for d in chat_deltas(plan, stream, single_call):
+        async for d in chat_deltas(plan, stream):
             texts.append(d.text)
             if d.finish is not None:
                 d.text = "".join(texts)

@@ -179,6 +179,7 @@ def chat_request(body: ResponsesRequest, items: List[Dict[str, Any]]) -> ChatCom
         messages=conversation_messages(items, body.instructions),
         tools=_tools(body),
         tool_choice=_tool_choice(body.tool_choice),
+        parallel_tool_calls=body.parallel_tool_calls,
         max_completion_tokens=body.max_output_tokens,
         temperature=body.temperature,
         top_p=body.top_p,
@@ -317,15 +318,14 @@ async def create_response(body: ResponsesRequest, request: Request):
     rid = item_id("resp")
     stream = await st.start_stream([plan.prompt_ids], params, rid, body.timeout, request)
     answer = _Answer(rid, body, st.model_name, text_format)
-    single = body.parallel_tool_calls is False
 
     async def keep(response: Dict[str, Any]) -> None:
         if body.store:
             await store.put(rid, {"response": response, "items": items})
 
     if body.stream:
-        return SSEResponse(_events(answer, chat_deltas(plan, stream, single), stream, keep), on_close=stream.close)
-    last = await cancel_on_disconnect(request, run_chat(plan, stream, single))
+        return SSEResponse(_events(answer, chat_deltas(plan, stream), stream, keep), on_close=stream.close)
+    last = await cancel_on_disconnect(request, run_chat(plan, stream))
     if last.text:
         answer.text_delta(last.text)
     _, status, usage = answer.finish(last)

@@ -27,10 +27,13 @@ import collections
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Dict, List, Optional, Set
+from typing import TYPE_CHECKING, Any, AsyncIterator, Dict, List, Optional, Set
 
 import ray
 from ray import serve
+
+if TYPE_CHECKING:  # pragma: no cover
+    from engine.outputs import EngineStats
 
 logger = logging.getLogger("ray.serve")
 
@@ -185,13 +188,17 @@ class WorkerBase:
             engine.running,
             engine.kv_usage,
             events,
-            {**engine.as_dict(), **self._extra_stats()},
+            self._with_extra(engine),
             time.time(),
             self.engine.config.admission_limit,
         )
 
     async def stats(self) -> Dict[str, float]:
-        return {**(await self.engine.stats_async()).as_dict(), **self._extra_stats()}
+        return self._with_extra(await self.engine.stats_async())
+
+    def _with_extra(self, engine: "EngineStats") -> Dict[str, float]:
+        """The engine's stats with this replica's own beside them (what the router receives)."""
+        return {**engine.as_dict(), **self._extra_stats()}
 
     def _extra_stats(self) -> Dict[str, float]:
         """Counters of this replica beside the engine's (reported with them), and its placement."""
