@@ -134,7 +134,14 @@ def deployment(args: ClusterArgs) -> Application:
             max_ongoing_requests=4096,
             ray_actor_options={"num_cpus": args.router_num_cpus},
         )
-        .bind(pools, args.policy, router_config, args.report_interval_s, scaling=scaling)
+        .bind(
+            pools,
+            args.policy,
+            router_config,
+            args.report_interval_s,
+            scaling=scaling,
+            response_store=args.response_store_limits(),
+        )
     )
     ingress = (
         serve.deployment(Ingress)
@@ -155,6 +162,7 @@ def deployment(args: ClusterArgs) -> Application:
             request_timeout_s=args.request_timeout_s,
             rate_limits=args.rate_limits(_ingress_replicas(args)),
             cors_origins=args.cors_origins,
+            response_store=args.response_store_limits(),
             mode=args.mode,
             tokenizer_source=args.tokenizer,
             prefill=pools.get("prefill") if args.early_prefill else None,

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 from engine.config import EngineConfig
 from engine.errors import InvalidConfigError
 from serving.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_TIMEOUT_S
+from serving.response_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, StoreLimits
 
 PolicyName = Literal["cache_aware", "round_robin", "power_of_two", "random", "prefix_hash"]
 Mode = Literal["unified", "disaggregated"]
@@ -230,6 +231,18 @@ class _ClusterFields(BaseModel):
         description="Comma-separated browser origins allowed to call the API (CORS), or '*' for any. "
         "None: CORS off (no CORS headers; preflights get a 405).",
     )
+    response_store_max_entries: int = Field(
+        DEFAULT_MAX_ENTRIES,
+        ge=0,
+        description="Stored /v1/responses responses the router deployment keeps for GET and "
+        "previous_response_id (least recently used go first). 0: store disabled (responses answer store=false).",
+    )
+    response_store_max_bytes: int = Field(
+        DEFAULT_MAX_BYTES,
+        ge=0,
+        description="Bytes of stored responses' JSON the router deployment keeps at most (least recently used "
+        "go first). 0: store disabled.",
+    )
     worker_access_log: bool = Field(
         False,
         description="Log every call to a worker replica (generate, and the "
@@ -359,6 +372,10 @@ class _Validated(_ClusterFields):
 
         limits = RateLimits(self.rate_limit_requests_per_minute, self.rate_limit_tokens_per_minute)
         return limits.share(ingress_replicas)
+
+    def response_store_limits(self) -> StoreLimits:
+        """Bounds of the router deployment's response store (cluster/ingress/response_store.py)."""
+        return StoreLimits(self.response_store_max_entries, self.response_store_max_bytes)
 
     def model_name(self) -> str:
         if self.served_model_name:

@@ -8,7 +8,8 @@ Data flow and owners:
               completions.py  /v1/completions   prompt(s) → ids
               chat.py         /v1/chat/completions  messages (+ tools, tool_calls.py) → chat template → ids
             generate_routes.py  SGLang /generate, /health, /metrics (metrics.py)
-            responses.py    /v1/responses (+ GET/DELETE; response_store.py)  ┐ translated to a chat request,
+            responses.py    /v1/responses (+ GET/DELETE/input_items;        ┐ translated to a chat request,
+                            response_store.py, response_items.py)          │
             anthropic.py    /v1/messages, /v1/messages/count_tokens        ┘ run by chat_bridge.py
          ─▶ state.py          model check, context check, OpenAI body → engine SamplingParams
               lifetime.py     each request's deadline (`timeout`, the server's default) and the drain

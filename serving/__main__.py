@@ -19,6 +19,7 @@ from typing import Any, List, Optional
 from engine.config import EngineConfig
 from serving.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_TIMEOUT_S
 from serving.ratelimit import RateLimits
+from serving.response_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, LocalResponseStore, StoreLimits
 from serving.server import DEFAULT_GRACE_S
 
 _SERVER_FIELDS = {"model"}
@@ -98,6 +99,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="Comma-separated browser origins allowed to call the API (CORS), or '*' for any "
         "(default: none, CORS off).",
     )
+    p.add_argument(
+        "--response-store-max-entries",
+        type=_non_negative_int,
+        default=DEFAULT_MAX_ENTRIES,
+        help="Responses kept for GET /v1/responses/{id} and previous_response_id (least recently used go "
+        f"first); 0 disables the store: responses answer store=false (default: {DEFAULT_MAX_ENTRIES}).",
+    )
+    p.add_argument(
+        "--response-store-max-bytes",
+        type=_non_negative_int,
+        default=DEFAULT_MAX_BYTES,
+        help="Bytes of stored responses' JSON kept at most (least recently used go first); 0 disables the "
+        f"store (default: {DEFAULT_MAX_BYTES}).",
+    )
     p.add_argument("--log-level", default="info")
     group = p.add_argument_group("engine options (engine.config.EngineConfig)")
     for f in dataclasses.fields(EngineConfig):
@@ -121,6 +136,16 @@ def _positive_or_none(value: str) -> Optional[float]:
     if seconds <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0 or 'none', got {value}")
     return seconds
+
+
+def _non_negative_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value!r}") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0 (0: store disabled), got {value}")
+    return number
 
 
 def default_model_name(model: Optional[str]) -> str:
@@ -154,6 +179,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         request_timeout_s=args.request_timeout_s,
         rate_limits=rate_limits,
         cors_origins=parse_origins(args.cors_origins),
+        response_store=LocalResponseStore(StoreLimits(args.response_store_max_entries, args.response_store_max_bytes)),
     )
     try:
         server.run(

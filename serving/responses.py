@@ -1,4 +1,5 @@
-"""The OpenAI Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}.
+"""The OpenAI Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}, and
+GET /v1/responses/{id}/input_items.
 
     ResponsesRequest ──(previous_response_id: stored items + stored output, first)──▶ conversation items
         ──chat_request──▶ ChatCompletionRequest (instructions first as the system message, items as chat
@@ -8,7 +9,9 @@
 A continued conversation renders as the earlier one did with the new items after it: with the same
 `instructions` and tools, the earlier prompt's tokens are a prefix of the continued prompt's, so the
 radix cache (and the cluster's cache-aware router) finds it. Stored responses live in the app's
-ResponseStore (`app.state.response_store`, serving/response_store.py).
+ResponseStore (`app.state.response_store`, serving/response_store.py), their conversation as item
+resources with ids (serving/response_items.py). When the store is disabled, a request with `store: true`
+is answered as one with `store: false` (as vLLM does) and every lookup is a 404 that says so.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from pydantic import ValidationError
 from serving.chat_bridge import Delta, chat_deltas, prepare_chat, run_chat
 from serving.errors import APIError, to_api_error
 from serving.protocol import ChatCompletionRequest, ChatMessage, FunctionCall, Tool, ToolCall
-from serving.response_store import ResponseStore
+from serving.response_items import ItemListQuery, input_items_page, item_resources
+from serving.response_store import STORE_DISABLED, ResponseStore, StoredResponse
 from serving.responses_protocol import (
     UNSUPPORTED,
     ResponsesRequest,
@@ -199,9 +203,10 @@ async def conversation_items(body: ResponsesRequest, store: ResponseStore) -> Li
         return list(own)
     stored = await store.get(body.previous_response_id)
     if stored is None:
+        why = STORE_DISABLED if not store.enabled else "never stored, deleted or evicted"
         raise APIError(
             404,
-            f"previous response {body.previous_response_id!r} not found (never stored, deleted or evicted)",
+            f"previous response {body.previous_response_id!r} not found ({why})",
             "previous_response_id",
             "previous_response_not_found",
         )
@@ -312,6 +317,8 @@ async def create_response(body: ResponsesRequest, request: Request):
     st.check_model(body.model)
     _check_unsupported(body)
     store = _store(request)
+    if body.store and not store.enabled:
+        body = body.model_copy(update={"store": False})
     items = await conversation_items(body, store)
     text_format, _ = _text_format(body)
     plan, params = prepare_chat(st, chat_request(body, items), _RENAME)
@@ -321,7 +328,7 @@ async def create_response(body: ResponsesRequest, request: Request):
 
     async def keep(response: Dict[str, Any]) -> None:
         if body.store:
-            await store.put(rid, {"response": response, "items": items})
+            await store.put(rid, {"response": response, "items": item_resources(items)})
 
     if body.stream:
         return SSEResponse(_events(answer, chat_deltas(plan, stream), stream, keep), on_close=stream.close)
@@ -359,16 +366,33 @@ async def _events(
         await stream.close()
 
 
+async def _stored(request: Request, response_id: str) -> StoredResponse:
+    store = _store(request)
+    stored = await store.get(response_id)
+    if stored is None:
+        why = f" ({STORE_DISABLED})" if not store.enabled else ""
+        raise APIError(404, f"response {response_id!r} not found{why}", "response_id", "not_found")
+    return stored
+
+
 @router.get("/v1/responses/{response_id}")
 async def get_response(response_id: str, request: Request) -> Dict[str, Any]:
-    stored = await _store(request).get(response_id)
-    if stored is None:
-        raise APIError(404, f"response {response_id!r} not found", "response_id", "not_found")
-    return stored["response"]
+    return (await _stored(request, response_id))["response"]
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(response_id: str, request: Request) -> Dict[str, Any]:
+    """OpenAI's ResponseItemList of the conversation the response answered (query: limit, order, after,
+    before, include; serving/response_items.py)."""
+    params = request.query_params
+    query = ItemListQuery.parse(params, params.getlist("include[]") + params.getlist("include"))
+    return input_items_page((await _stored(request, response_id))["items"], query)
 
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, request: Request) -> Dict[str, Any]:
-    if not await _store(request).delete(response_id):
-        raise APIError(404, f"response {response_id!r} not found", "response_id", "not_found")
+    store = _store(request)
+    if not await store.delete(response_id):
+        why = f" ({STORE_DISABLED})" if not store.enabled else ""
+        raise APIError(404, f"response {response_id!r} not found{why}", "response_id", "not_found")
     return {"id": response_id, "object": "response", "deleted": True}

@@ -11,6 +11,7 @@ from cluster.ingress.backend import ClusterBackend
 from cluster.ingress.disaggregated import DisaggregatedBackend
 from cluster.ingress.metrics import WorkerGauges
 from cluster.ingress.response_store import RouterResponseStore
+from serving.response_store import StoreLimits
 
 
 @serve.ingress()
@@ -29,6 +30,7 @@ class Ingress:
         request_timeout_s: Optional[float] = None,
         rate_limits: Any = None,
         cors_origins: Optional[str] = None,
+        response_store: StoreLimits = StoreLimits(),
         mode: str = "unified",
         tokenizer_source: Optional[str] = None,
         prefill=None,
@@ -42,9 +44,11 @@ class Ingress:
         self.model_name, self.api_key, self.max_body_bytes = model_name, api_key, max_body_bytes
         self.admin_api_key, self.request_timeout_s = admin_api_key, request_timeout_s
         self.rate_limits = rate_limits
+        """serving.ratelimit.RateLimits of this replica (its share of the cluster's), or None."""
         self.cors_origins = cors_origins
         """ClusterArgs.cors_origins (comma-separated; None: CORS off)."""
-        """serving.ratelimit.RateLimits of this replica (its share of the cluster's), or None."""
+        self.response_store_enabled = response_store.enabled
+        """False: the router deployment keeps no responses (ClusterArgs.response_store_* of 0)."""
         tokenizer = await asyncio.to_thread(load_tokenizer, resolve_model(tokenizer_source or model))
         info = await asyncio.wait_for(workers.info.remote(), 600)  # waits for a first worker to be up
         if mode == "disaggregated":
@@ -81,7 +85,8 @@ class Ingress:
             max_body_bytes=self.max_body_bytes,
             title="radixserve cluster",
             own_auth_prefixes=own_auth,
-            response_store=RouterResponseStore(self.backend.router),  # one store for every ingress replica
+            # one store for every ingress replica
+            response_store=RouterResponseStore(self.backend.router, self.response_store_enabled),
             request_timeout_s=self.request_timeout_s,
             rate_limits=self.rate_limits,
             cors_origins=parse_origins(self.cors_origins),

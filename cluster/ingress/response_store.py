@@ -1,8 +1,9 @@
 """The cluster's ResponseStore: stored /v1/responses responses live in the router deployment (one replica), so
 a response created through one ingress replica can be fetched, deleted and continued through any other.
 
-Bounds are the router's LruResponses (serving/response_store.py: least recently used first past 1024
-responses or 64 MiB). The store is memory only: a restarted router replica has none, and a request naming
+Bounds are the router's LruResponses (serving/response_store.py: least recently used first past
+ClusterArgs.response_store_max_entries responses or response_store_max_bytes; 0: disabled, and then this
+side makes no call at all). The store is memory only: a restarted router replica has none, and a request naming
 a lost response gets a 404 (`previous_response_not_found`), as for one evicted or deleted.
 """
 
@@ -18,10 +19,10 @@ _RPC_TIMEOUT_S = 30.0
 
 class RouterResponseStore(ResponseStore):
     """A ResponseStore over the router deployment's handle (its store_response / stored_response /
-    delete_response methods, cluster/router/router.py)."""
+    delete_response methods, cluster/router/router.py). `enabled`: False when the router keeps nothing."""
 
-    def __init__(self, router: Any):
-        self.router = router
+    def __init__(self, router: Any, enabled: bool = True):
+        self.router, self.enabled = router, enabled
 
     async def _call(self, make_call: Any) -> Any:
         try:
@@ -33,10 +34,15 @@ class RouterResponseStore(ResponseStore):
             ) from None
 
     async def put(self, response_id: str, stored: StoredResponse) -> None:
-        await self._call(lambda: self.router.store_response.remote(response_id, stored))
+        if self.enabled:
+            await self._call(lambda: self.router.store_response.remote(response_id, stored))
 
     async def get(self, response_id: str) -> Optional[StoredResponse]:
+        if not self.enabled:
+            return None
         return await self._call(lambda: self.router.stored_response.remote(response_id))
 
     async def delete(self, response_id: str) -> bool:
+        if not self.enabled:
+            return False
         return await self._call(lambda: self.router.delete_response.remote(response_id))

@@ -40,7 +40,7 @@ from cluster.router.state import RouterConfig, WorkerState
 from cluster.scaling.loop import PoolScaler
 from cluster.scaling.models import AdminError, ClusterPools, PoolStatus, ReplicaStatus, ScaleRequest
 from cluster.scaling.policy import ScalingConfig
-from serving.response_store import LruResponses, StoredResponse
+from serving.response_store import LruResponses, StoredResponse, StoreLimits
 
 logger = logging.getLogger("ray.serve")
 
@@ -131,9 +131,11 @@ class RouterDeployment:
         router_config: Dict[str, Any],
         report_interval_s: float = 0.5,
         scaling: Optional[ScalingConfig] = None,
+        response_store: StoreLimits = StoreLimits(),
     ):
         """`pools`: pool name → DeploymentHandle of its workers ({"unified": h} or {"prefill": p, "decode": d}).
-        `scaling`: pool sizing (cluster/scaling/loop.py); None: pools keep their size, no admin API."""
+        `scaling`: pool sizing (cluster/scaling/loop.py); None: pools keep their size, no admin API.
+        `response_store`: bounds of the stored /v1/responses responses (ClusterArgs.response_store_*)."""
         self.policy = policy
         self.report_interval_s = report_interval_s
         self.pools: Dict[str, _Pool] = {}
@@ -148,8 +150,8 @@ class RouterDeployment:
         self._membership_changes = 0
         self._ingress = IngressTotals()
         self.scaler = PoolScaler.in_replica(scaling, self.pools) if scaling is not None else None
-        self.responses = LruResponses()
-        """Stored /v1/responses responses (serving/response_store.py bounds); lost if this replica restarts."""
+        self.responses = LruResponses(response_store)
+        """Stored /v1/responses responses (bounded by `response_store`); lost if this replica restarts."""
         self._loop_task = asyncio.get_running_loop().create_task(self._control_loop())
 
     # --- requests from the ingress -------------------------------------------------------------

@@ -89,8 +89,9 @@ def test_openai_completion_chat_and_stream(cluster):
 
 
 def test_responses_and_anthropic_messages(cluster):
-    """/v1/responses (plain, streamed, a function tool, previous_response_id, the store in the router
-    deployment) and Anthropic's /v1/messages (plain, streamed, tool use) through the cluster's ingress."""
+    """/v1/responses (plain, streamed, a function tool and its result, previous_response_id, the store in the
+    router deployment: GET, input_items, DELETE) and Anthropic's /v1/messages (plain, streamed, tool use)
+    through the cluster's ingress."""
     import anthropic
     import openai
 
@@ -111,18 +112,31 @@ def test_responses_and_anthropic_messages(cluster):
     )
     assert second.output_text and second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
     assert client.responses.retrieve(first.id).output_text == first.output_text  # kept by the router deployment
+    items = client.responses.input_items.list(second.id, order="asc").data
+    assert [(i.type, i.role) for i in items] == [("message", "user"), ("message", "assistant"), ("message", "user")]
+    assert items[1].id == first.output[0].id and items[2].content[0].text == "What is my name?"
     client.responses.delete(first.id)
-    with pytest.raises(openai.NotFoundError):
-        client.responses.retrieve(first.id)
+    for lookup in (client.responses.retrieve, client.responses.input_items.list):
+        with pytest.raises(openai.NotFoundError):
+            lookup(first.id)
     weather = {
         "type": "function",
         "name": "get_weather",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     }
-    call = client.responses.create(
+    asked = client.responses.create(
         model=MODEL, input="Weather in Paris?", tools=[weather], tool_choice="required", max_output_tokens=32
-    ).output[0]
+    )
+    call = asked.output[0]
     assert call.type == "function_call" and call.name == "get_weather" and "city" in json.loads(call.arguments)
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+    answer = client.responses.create(
+        model=MODEL, previous_response_id=asked.id, input=[result], tools=[weather], max_output_tokens=4, temperature=0
+    )
+    assert answer.output and answer.previous_response_id == asked.id
+    listed = client.responses.input_items.list(answer.id).data  # newest first
+    assert listed[0].type == "function_call_output" and listed[-1].type == "message"
+    assert call.id in [i.id for i in listed if i.type == "function_call"]
 
     claude = anthropic.Anthropic(base_url=cluster, api_key="unused", max_retries=0, timeout=120)
     greedy = {"model": MODEL, "max_tokens": 8, "extra_body": {"temperature": 0}}

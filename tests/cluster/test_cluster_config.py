@@ -137,3 +137,18 @@ def test_cors_origins_are_off_by_default_and_parsed_for_the_ingress_app():
     assert ClusterArgs().cors_origins is None and parse_origins(ClusterArgs().cors_origins) == []
     args = ClusterArgs(cors_origins="https://a.example, https://b.example")  # as `serve run ... key=value` gives it
     assert parse_origins(args.cors_origins) == ["https://a.example", "https://b.example"]
+
+
+def test_response_store_limits_reach_the_router_and_the_ingress():
+    from serving.response_store import StoreLimits
+
+    assert ClusterArgs().response_store_limits() == StoreLimits()  # 1024 responses, 64 MiB
+    args = ClusterArgs.model_validate({"response_store_max_entries": "10", "response_store_max_bytes": "4096"})
+    app = deployment(args.model_copy(update={"num_cpus": 0.5, "num_gpus": 0}))
+    ingress = app._bound_deployment
+    router = ingress.init_args[0]._bound_deployment
+    assert router.init_kwargs["response_store"] == ingress.init_kwargs["response_store"] == StoreLimits(10, 4096)
+    assert not ClusterArgs(response_store_max_entries=0).response_store_limits().enabled  # 0: store disabled
+    for bad in ({"response_store_max_entries": -1}, {"response_store_max_bytes": "lots"}):
+        with pytest.raises(ValidationError, match=next(iter(bad))):
+            ClusterArgs.model_validate(bad)

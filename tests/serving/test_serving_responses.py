@@ -1,11 +1,13 @@
 """The Responses API (/v1/responses) through the official `openai` client: plain, streamed, function tools,
-previous_response_id continuations, the store (GET, DELETE, LRU bounds) and refused features; one server
-on the default model for the module."""
+previous_response_id continuations, the store (GET, DELETE, input_items pages, LRU bounds, its limits and
+the disabled store) and refused features; one server on the default model for the module (and one with
+the store disabled)."""
 
 from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema_rs
 import openai
 import pytest
@@ -131,6 +133,12 @@ def test_function_tool_call_stream_and_result(client):
         temperature=0,
     )
     assert follow.previous_response_id == r.id and follow.output[0].type == "message" and follow.output_text
+    # its input items: the stored conversation (the call keeps its output item's id), then the tool's answer
+    items = client.responses.input_items.list(follow.id, order="asc").data
+    assert [i.type for i in items] == ["message", "function_call", "function_call_output"]
+    assert items[0].role == "user" and items[0].content[0].text == ask[0]["content"]
+    assert items[1].id == call.id and (items[1].call_id, items[1].arguments) == (call.call_id, call.arguments)
+    assert items[2].id.startswith("fco_") and items[2].call_id == call.call_id and items[2].status == "completed"
     # the same conversation sent whole gives the same answer
     whole = client.responses.create(
         model=MODEL,
@@ -265,18 +273,151 @@ def test_stream_closed_early_frees_everything(client, default_engine):
 
 
 def test_lru_store_bounds():
-    from serving.response_store import LruResponses
+    from serving.response_store import LruResponses, StoreLimits
 
-    lru = LruResponses(max_entries=3, max_bytes=10**6)
+    lru = LruResponses(StoreLimits(max_entries=3, max_bytes=10**6))
     for i in range(3):
         lru.put(f"r{i}", {"response": {"output": []}, "items": [i]})
     assert lru.get("r0") is not None  # r0 is now the most recently used
     lru.put("r3", {"response": {"output": []}, "items": []})
     assert lru.ids() == ["r2", "r0", "r3"] and lru.get("r1") is None
-    small = LruResponses(max_entries=100, max_bytes=200)
+    small = LruResponses(StoreLimits(max_entries=100, max_bytes=200))
     small.put("a", {"items": ["x" * 90]})
     small.put("b", {"items": ["y" * 90]})
     assert small.ids() == ["b"]  # two would exceed 200 bytes: the older one went
     small.put("huge", {"items": ["z" * 500]})
     assert small.get("huge") is None and small.ids() == ["b"]
     assert small.delete("b") and not small.delete("b") and len(small) == 0
+
+
+def _item_ids(client, rid, **query):
+    return [i.id for i in client.responses.input_items.list(rid, **query)]  # iterating follows `after`
+
+
+def test_input_items_pages(client, base_url):
+    from openai.types.responses import ResponseItemList
+
+    turns = [{"role": "developer", "content": "Be brief."}] + [
+        {"role": "user", "content": f"Message {i}."} for i in range(4)
+    ]
+    r = client.responses.create(model=MODEL, input=turns, max_output_tokens=2, temperature=0)
+    url = f"{base_url}/v1/responses/{r.id}/input_items"
+    with httpx.Client(timeout=60) as http:
+        page = http.get(url, params={"order": "asc"}).json()
+        ResponseItemList.model_validate(page)  # OpenAI's own type (strict: every required field present)
+        asc = [i["id"] for i in page["data"]]
+        assert len(set(asc)) == 5 and page["has_more"] is False
+        assert (page["first_id"], page["last_id"]) == (asc[0], asc[-1])
+        first = page["data"][0]
+        assert (first["type"], first["role"], first["status"]) == ("message", "developer", "completed")
+        assert first["id"].startswith("msg_") and first["content"] == [{"type": "input_text", "text": "Be brief."}]
+        assert _item_ids(client, r.id) == asc[::-1]  # default order: desc
+        assert _item_ids(client, r.id, limit=2, order="asc") == asc
+        assert _item_ids(client, r.id, limit=2) == asc[::-1]
+        two = client.responses.input_items.list(r.id, limit=2, order="asc")
+        assert [i.id for i in two.data] == asc[:2] and two.has_more is True
+        before = http.get(url, params={"order": "asc", "limit": 2, "before": asc[3]}).json()
+        assert [i["id"] for i in before["data"]] == asc[1:3] and before["has_more"] is True
+        between = http.get(url, params={"order": "asc", "after": asc[0], "before": asc[4]}).json()
+        assert [i["id"] for i in between["data"]] == asc[1:4] and between["has_more"] is False
+        empty = http.get(url, params={"after": asc[0]}).json()  # desc: nothing after the oldest item
+        assert empty["data"] == [] and empty["first_id"] is None and empty["has_more"] is False
+        ok = client.responses.input_items.list(r.id, include=["reasoning.encrypted_content"])  # nothing to add
+        assert [i.id for i in ok.data] == asc[::-1]
+        for query, param in [
+            ({"limit": 0}, "limit"),
+            ({"limit": 101}, "limit"),
+            ({"limit": "x"}, "limit"),
+            ({"order": "up"}, "order"),
+            ({"after": "msg_nope"}, "after"),
+            ({"before": "msg_nope"}, "before"),
+            ({"include[]": "message.output_text.logprobs"}, "include"),
+            ({"include": "no.such.field"}, "include"),
+        ]:
+            bad = http.get(url, params=query)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (query, bad.text)
+    with pytest.raises(openai.NotFoundError) as err:
+        client.responses.input_items.list("resp_unknown")
+    assert err.value.body["param"] == "response_id" and err.value.body["code"] == "not_found"
+
+
+def test_item_resources_keep_text_and_make_ids_unique():
+    from serving.response_items import item_resources
+
+    items = [
+        {"role": "user", "content": "hi"},
+        {"type": "message", "role": "assistant", "content": [{"type": "text", "text": "yo"}], "id": "msg_a"},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}", "id": "msg_a"},
+        {"type": "function_call_output", "call_id": "c", "output": "ok"},
+    ]
+    out = item_resources(items)
+    assert out[0]["content"] == [{"type": "input_text", "text": "hi"}] and out[0]["type"] == "message"
+    assert out[1]["content"] == [{"type": "output_text", "text": "yo", "annotations": []}] and out[1]["id"] == "msg_a"
+    assert out[2]["id"].startswith("fc_") and out[3]["id"].startswith("fco_")  # a repeated id is replaced
+    assert item_resources(out) == out and items[0] == {"role": "user", "content": "hi"}  # idempotent, no mutation
+
+
+def test_store_limits_are_validated():
+    from serving.response_store import LruResponses, StoreLimits
+
+    for bad in (-1, True, 1.5, "8"):
+        with pytest.raises(ValueError, match="max_entries must be an integer >= 0"):
+            StoreLimits(max_entries=bad)
+    with pytest.raises(ValueError, match="max_bytes"):
+        StoreLimits(max_bytes=-5)
+    assert StoreLimits().enabled and not StoreLimits(0).enabled and not StoreLimits(8, 0).enabled
+    off = LruResponses(StoreLimits(0))
+    off.put("r", {"items": []})
+    assert off.get("r") is None and len(off) == 0
+
+
+@pytest.fixture(scope="module")
+def no_store_client(default_engine):
+    from serving.app import build_app
+    from serving.backend import EngineBackend
+    from serving.response_store import LocalResponseStore, StoreLimits
+
+    app = build_app(EngineBackend(default_engine), model_name=MODEL, response_store=LocalResponseStore(StoreLimits(0)))
+    with serve(app) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_disabled_store_answers_store_false_and_404s(no_store_client):
+    client = no_store_client
+    r = client.responses.create(model=MODEL, input="Say hi.", max_output_tokens=2, temperature=0)
+    assert r.store is False and r.output_text is not None
+    for lookup in (client.responses.retrieve, client.responses.input_items.list, client.responses.delete):
+        with pytest.raises(openai.NotFoundError) as err:
+            lookup(r.id)
+        assert "disabled" in err.value.body["message"] and err.value.body["param"] == "response_id"
+    with pytest.raises(openai.NotFoundError) as err:
+        client.responses.create(model=MODEL, previous_response_id=r.id, input="Again.", max_output_tokens=2)
+    assert err.value.body["param"] == "previous_response_id" and "disabled" in err.value.body["message"]
+
+
+def test_cli_store_flags(monkeypatch):
+    import engine
+    from serving import server
+    from serving.__main__ import main
+
+    class _NoEngine:
+        tokenizer, context_len = None, 0
+
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def shutdown(self):
+            pass
+
+    apps = []
+    monkeypatch.setattr(engine, "Engine", _NoEngine)
+    monkeypatch.setattr(server, "run", lambda app, **kwargs: apps.append(app))
+    main(["--response-store-max-entries", "3", "--response-store-max-bytes", "4096"])
+    main(["--response-store-max-entries", "0"])
+    assert [a.state.response_store.lru.max_entries for a in apps] == [3, 0]
+    assert apps[0].state.response_store.lru.max_bytes == 4096
+    assert apps[0].state.response_store.enabled and not apps[1].state.response_store.enabled
+    for bad in (["--response-store-max-entries", "-1"], ["--response-store-max-bytes", "lots"]):
+        with pytest.raises(SystemExit) as exc:
+            main(bad)  # refused before any model loads
+        assert exc.value.code == 2
