@@ -319,11 +319,6 @@ def main() -> None:
         "--disable-pdl", action="store_true", help="EngineConfig.disable_pdl: no programmatic dependent launch"
     )
     p.add_argument(
-        "--disable-fused-layers",
-        action="store_true",
-        help="EngineConfig.disable_fused_layers: SiLU-and-mul and the KV store as launches of their own",
-    )
-    p.add_argument(
         "--engine-tpot",
         action="store_true",
         help="also measure an Engine's batch-1 time per output token (as the vLLM peer measures it)",
@@ -357,7 +352,6 @@ def main() -> None:
         disable_gemv=args.disable_gemv,
         gemv_max_rows=args.gemv_max_rows,
         disable_pdl=args.disable_pdl,
-        disable_fused_layers=args.disable_fused_layers,
         triton_decode_max_bs=args.triton_decode_max_bs,
     )
     start = time.perf_counter()
@@ -421,8 +415,7 @@ def main() -> None:
         f"{hw.get('gpu')}; attention {backend_name} (Triton decode up to batch {args.triton_decode_max_bs}), "
         f"CUDA graphs {'on' if graphs_on else 'off'}, GEMV "
         f"{'off' if args.disable_gemv else f'up to {args.gemv_max_rows} rows'}, "
-        f"PDL {'off' if args.disable_pdl else 'on'}, fused layers {'off' if args.disable_fused_layers else 'on'}; "
-        "copy bandwidth "
+        f"PDL {'off' if args.disable_pdl else 'on'}; copy bandwidth "
         f"{bandwidth / 1e9:.0f} GB/s"
     )
     cols = [
@@ -460,7 +453,6 @@ def main() -> None:
                 gemv=not args.disable_gemv,
                 gemv_max_rows=0 if args.disable_gemv else args.gemv_max_rows,
                 pdl=not args.disable_pdl,
-                fused_layers=not args.disable_fused_layers,
                 startup_s=startup,
                 results=rows,
                 engine_tpot=tpot,

@@ -117,15 +117,6 @@ class EngineConfig:
             "help": "Launch our Triton kernels without programmatic dependent launch (Hopper and later; process-wide)."
         },
     )
-    disable_fused_layers: bool = field(
-        default=False,
-        metadata={
-            "help": (
-                "Run SiLU-and-mul and the KV store as launches of their own on CUDA instead of inside the down"
-                " projection's GEMV and the RoPE kernel (the same results; a measurement switch)."
-            )
-        },
-    )
     disable_custom_all_reduce: bool = field(
         default=False,
         metadata={

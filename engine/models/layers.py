@@ -11,10 +11,7 @@ which round at the same places as the torch code; elsewhere plain torch. The
 kernel module is imported on first CUDA use, so CPU installs never import triton.
 `Linear` runs a product of up to GEMV_MAX_ROWS rows (the decode step of a small
 batch, or those rows' logits) with kernels/triton/gemv.py on CUDA, every other
-product with F.linear. Two launches more are folded into their neighbours on CUDA
-(`set_fused_layers`, EngineConfig.disable_fused_layers): SiLU-and-mul into the down
-projection's GEMV (`Linear.forward_gated`), and the KV store into RoPE
-(`RotaryEmbedding.apply_qk_and_store`); both give the same bits as the separate kernels.
+product with F.linear.
 """
 
 from __future__ import annotations
@@ -63,17 +60,12 @@ def gemv_applies(module: nn.Module, x: torch.Tensor) -> bool:
 
 
 def gemv(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    out_dtype: Optional[torch.dtype] = None,
-    gated: bool = False,
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None
 ) -> torch.Tensor:
-    """x (M, K) @ weight (N, K)^T (+ bias) -> (M, N), M <= GEMV_MAX_ROWS, with kernels/triton/gemv.py (CUDA);
-    gated: x is (M, 2K) = [gate | up] and the product is silu_and_mul(x) @ weight^T."""
+    """x (M, K) @ weight (N, K)^T (+ bias) -> (M, N), M <= GEMV_MAX_ROWS, with kernels/triton/gemv.py (CUDA)."""
     from kernels.triton.gemv import gemv as gemv_kernel  # noqa: PLC0415  (imports triton: GPU path only)
 
-    return gemv_kernel(x, weight, bias, out_dtype=out_dtype, gated=gated)
+    return gemv_kernel(x, weight, bias, out_dtype=out_dtype)
 
 
 def set_gemv(model: nn.Module, max_rows: int) -> None:
@@ -84,15 +76,6 @@ def set_gemv(model: nn.Module, max_rows: int) -> None:
     for module in model.modules():
         if hasattr(module, "gemv_rows"):  # every Linear, and the model (its logits)
             module.gemv_rows = max_rows
-
-
-def set_fused_layers(model: nn.Module, on: bool) -> None:
-    """Whether the modules of `model` that can fold a launch into a neighbour's (an MLP's SiLU-and-mul into its
-    down projection, an attention's KV store into its RoPE) do so on CUDA. Off: separate launches, the same
-    results (a measurement switch)."""
-    for module in model.modules():
-        if hasattr(module, "fused_layers"):
-            module.fused_layers = bool(on)
 
 
 class Linear(nn.Linear):
@@ -109,15 +92,6 @@ class Linear(nn.Linear):
         if gemv_applies(self, x):
             return gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
-
-    def forward_gated(self, h: torch.Tensor) -> torch.Tensor:
-        """self(silu(gate) * up) for h (T, 2 * in_features) = [gate | up] (an MLP's down projection).
-
-        Where the product runs the GEMV kernels, the activation is computed as h is read (one launch fewer,
-        the same bits: kernels/triton/gemv.py `gated`); elsewhere silu_and_mul, then this layer's product."""
-        if gemv_applies(self, h):
-            return gemv(h, self.weight, self.bias, gated=True)
-        return Linear.forward(self, silu_and_mul(h))
 
 
 class RMSNorm(nn.Module):
@@ -232,37 +206,13 @@ class RotaryEmbedding(nn.Module):
             return fused.rope(q, k, cos, sin)
         return RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
 
-    @staticmethod
-    def apply_qk_and_store(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_buffers: Tuple[torch.Tensor, torch.Tensor],
-        loc: torch.Tensor,
-    ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-        """`apply_qk`, and the rotated k and v (T, Hkv, D) written into kv_buffers ((num_slots, Hkv, D) each)
-        at slots loc ((T,)), in one launch on CUDA (the same values as the attention backend's own store).
-        None where that launch does not apply: the caller then rotates and lets the backend store."""
-        fused = _fused(q)
-        k_buf, v_buf = kv_buffers
-        if fused is None or not all(t.stride(-1) == 1 for t in (q, k, v, k_buf, v_buf)):
-            return None
-        return fused.rope(q, k, cos, sin, store=(v, k_buf, v_buf, loc))
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """(T, 2 * d) = [gate | up] -> (T, d) = silu(gate) * up: one fused launch on CUDA, torch elsewhere."""
-    fused = _fused(x)
-    if fused is not None:
-        return fused.silu_and_mul(x)
-    d = x.shape[-1] // 2
-    return F.silu(x[..., :d]) * x[..., d:]
-
 
 class SiluAndMul(nn.Module):
     """(T, 2 * d) = [gate | up] -> (T, d) = silu(gate) * up."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(x)
+        fused = _fused(x)
+        if fused is not None:
+            return fused.silu_and_mul(x)
+        d = x.shape[-1] // 2
+        return F.silu(x[..., :d]) * x[..., d:]

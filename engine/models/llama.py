@@ -66,12 +66,7 @@ def _read(tensor: Any, source: Optional[TensorSlice]) -> torch.Tensor:
 
 
 class LlamaAttention(nn.Module):
-    """Self-attention of one layer: fused qkv projection, optional q/k norm, rope, paged attention, o_proj.
-
-    With `fused_layers` (layers.set_fused_layers) RoPE also writes the new k, v into the KV pool on CUDA, and
-    the attention backend skips its own store."""
-
-    fused_layers = True
+    """Self-attention of one layer: fused qkv projection, optional q/k norm, rope, paged attention, o_proj."""
 
     def __init__(self, config: PretrainedConfig, layer_id: int, tp: Optional[TensorParallel] = None):
         super().__init__()
@@ -126,26 +121,13 @@ class LlamaAttention(nn.Module):
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
         if self.has_qk_norm:
             q, k = self.q_norm.normalize(q), self.k_norm.normalize(k)
-        backend = batch.attn_backend
-        rotated = None
-        if self.fused_layers and q.is_cuda:
-            kv_buffers = backend.kv_pool.get_kv_buffer(self.layer_id)
-            rotated = RotaryEmbedding.apply_qk_and_store(q, k, v, cos, sin, kv_buffers, batch.out_cache_loc)
-        if rotated is None:
-            q, k = RotaryEmbedding.apply_qk(q, k, cos, sin)
-        else:
-            q, k = rotated
-        out = backend.forward(q, k, v, self.layer_id, batch, kv_stored=rotated is not None)
+        q, k = RotaryEmbedding.apply_qk(q, k, cos, sin)
+        out = batch.attn_backend.forward(q, k, v, self.layer_id, batch)
         return self.o_proj(out.reshape(T, self.q_size))
 
 
 class LlamaMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one (2 * intermediate, hidden) matmul.
-
-    With `fused_layers` (layers.set_fused_layers) the down projection computes the activation as it reads its
-    input (Linear.forward_gated)."""
-
-    fused_layers = True
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one (2 * intermediate, hidden) matmul."""
 
     def __init__(self, config: PretrainedConfig, tp: Optional[TensorParallel] = None):
         super().__init__()
@@ -173,10 +155,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(T, hidden) -> (T, hidden)."""
-        h = self.gate_up_proj(x)
-        if self.fused_layers:
-            return self.down_proj.forward_gated(h)
-        return self.down_proj(self.act(h))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -38,9 +38,6 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(super().forward(x))
 
-    def forward_gated(self, h: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(super().forward_gated(h))
-
     def source_slice(self, attr: str) -> Optional[TensorSlice]:
         return TensorSlice(1, *self.in_range) if attr == "weight" else None
 

@@ -149,13 +149,17 @@ class GrammarCompiler:
                 import llguidance.hf  # noqa: PLC0415
 
                 try:
-                    self._llg = llguidance.hf.from_tokenizer(
+                    llg = llguidance.hf.from_tokenizer(
                         self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.stop_token_ids or None
                     )
+                    problem = token_bytes_mismatch(llg.decode_bytes, self.hf_tokenizer)
                 except Exception as exc:  # noqa: BLE001 - reported to the caller as unsupported
+                    problem = str(exc)
+                if problem:
                     raise InvalidRequestError(
-                        f"structured output is not supported for this tokenizer: {exc}", param=kind
-                    ) from exc
+                        f"structured output is not supported for this tokenizer: {problem}", param=kind
+                    )
+                self._llg = llg
             return self._llg
 
     def _compile(self, key: GrammarKey) -> Any:
@@ -190,6 +194,27 @@ class GrammarCompiler:
             what = "unsupported JSON schema" if key.kind == "json_schema" else "invalid or unsupported Lark grammar"
             raise InvalidRequestError(f"{what}: {explain(error)}", param=key.kind)
         return LlgGrammar(matcher, frozenset(self.stop_token_ids))
+
+
+# Text whose tokens cover what a grammar's byte table must get right: spaces before words and
+# punctuation, digits, quotes, a newline and non-ASCII letters.
+_BYTE_PROBE = 'Ab, "c d": [1, 23.5], {x_y}\n  é ü'
+
+
+def token_bytes_mismatch(decode_bytes: Any, hf_tokenizer: Any) -> Optional[str]:
+    """None when `decode_bytes` (token ids -> bytes: the grammar backend's view of the vocabulary) gives back
+    the UTF-8 of a probe text that `hf_tokenizer` encoded; else what differs.
+
+    llguidance builds its byte table from the tokenizer's internals, and a transformers version that
+    exposes them differently yields a table that misreads tokens (a byte-level "Ġ" kept as two bytes
+    instead of a space): its masks would then allow what its matcher refuses. Checked once per tokenizer,
+    so such a pairing refuses structured output with a clear error instead of failing requests."""
+    ids = hf_tokenizer.encode(_BYTE_PROBE, add_special_tokens=False)
+    got = bytes(decode_bytes(ids))
+    want = _BYTE_PROBE.encode()
+    if got == want:
+        return None
+    return f"the grammar backend reads {want!r} as {got!r} (its byte table disagrees with the tokenizer)"
 
 
 @dataclass(frozen=True)

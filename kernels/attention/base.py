@@ -7,7 +7,7 @@ KV pool, then for every forward:
     out = backend.forward(q, k, v, layer_id, batch)   # once per layer
 
 `forward` first writes k, v of the new tokens into the pool at
-`batch.out_cache_loc` (unless the caller did, `kv_stored`), then attends each new token to its request's KV
+`batch.out_cache_loc`, then attends each new token to its request's KV
 positions [0, position] (causal). `kernels` does not import `engine`: the batch
 and pool are used through the small protocols below.
 """
@@ -72,16 +72,8 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer_id: int,
-        batch: ForwardBatchLike,
-        kv_stored: bool = False,
-    ) -> torch.Tensor:
-        """Store k, v at batch.out_cache_loc of layer `layer_id`'s buffers (skipped when `kv_stored`: the caller
-        already wrote exactly these values there, e.g. fused with RoPE), then attend."""
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatchLike
+    ) -> torch.Tensor: ...
 
     # ---- CUDA graphs (decode) ------------------------------------------------------------------
     # A backend that supports graphs sets `supports_cuda_graph`. The graph runner then calls, for

@@ -210,23 +210,15 @@ class FlashInferAttnBackend(AttentionBackend):
 
     # ---- forward -----------------------------------------------------------------------------
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer_id: int,
-        batch: ForwardBatchLike,
-        kv_stored: bool = False,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatchLike
     ) -> torch.Tensor:
-        """q (T, H, D), k/v (T, Hkv, D) -> (T, H, D) in q's dtype; writes k/v at batch.out_cache_loc first
-        (unless kv_stored: the caller wrote them)."""
+        """q (T, H, D), k/v (T, Hkv, D) -> (T, H, D) in q's dtype; writes k/v at batch.out_cache_loc first."""
         from kernels.triton.store_kv import store_kv  # noqa: PLC0415
 
         if self._meta_batch is not batch:
             self.init_forward_metadata(batch)
         k_buf, v_buf = self.kv_pool.get_kv_buffer(layer_id)
-        if not kv_stored:
-            store_kv(k_buf, v_buf, batch.out_cache_loc, k, v)
+        store_kv(k_buf, v_buf, batch.out_cache_loc, k, v)
         q = q if q.is_contiguous() else q.contiguous()
         cache = (k_buf.unsqueeze(1), v_buf.unsqueeze(1))  # (num_slots, page_size 1, Hkv, D)
         if q.shape[0] == 0:

@@ -48,20 +48,12 @@ class TorchNativeAttnBackend(AttentionBackend):
         self._meta_batch = batch
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer_id: int,
-        batch: ForwardBatchLike,
-        kv_stored: bool = False,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatchLike
     ) -> torch.Tensor:
-        """q (T, H, D), k/v (T, Hkv, D) -> (T, H, D) in q's dtype; writes k/v at batch.out_cache_loc first
-        (unless kv_stored: the caller wrote them)."""
+        """q (T, H, D), k/v (T, Hkv, D) -> (T, H, D) in q's dtype; writes k/v at batch.out_cache_loc first."""
         if self._meta_batch is not batch:
             self.init_forward_metadata(batch)
-        if not kv_stored:
-            self.kv_pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v)
+        self.kv_pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = self.kv_pool.get_kv_buffer(layer_id)
         compute_dtype = _compute_dtype(q)
         if self._decode_meta is not None:

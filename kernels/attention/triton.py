@@ -87,23 +87,15 @@ class TritonAttnBackend(AttentionBackend):
         self._decode, self._extend, self._meta_batch = self._graph_meta[batch.batch_size], None, batch
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer_id: int,
-        batch: ForwardBatchLike,
-        kv_stored: bool = False,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatchLike
     ) -> torch.Tensor:
-        """q (T, H, D), k/v (T, Hkv, D) -> (T, H, D) in q's dtype; writes k/v at batch.out_cache_loc first
-        (unless kv_stored: the caller wrote them)."""
+        """q (T, H, D), k/v (T, Hkv, D) -> (T, H, D) in q's dtype; writes k/v at batch.out_cache_loc first."""
         from kernels.triton.store_kv import store_kv
 
         if self._meta_batch is not batch:
             self.init_forward_metadata(batch)
         k_buf, v_buf = self.kv_pool.get_kv_buffer(layer_id)
-        if not kv_stored:
-            store_kv(k_buf, v_buf, batch.out_cache_loc, k, v)
+        store_kv(k_buf, v_buf, batch.out_cache_loc, k, v)
         q = q if q.stride(-1) == 1 else q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if self._decode is not None:

@@ -10,9 +10,7 @@ chunk of positions
 
 and writes the chunk's normalized partial output and its log-sum-exp (base 2) to float32 scratch
 (mid_o (bs, H, num_splits, D), mid_lse (bs, H, num_splits)); empty chunks write lse = -inf.
-Merge, in the same launch: the last of the num_splits programs of (i, g) to finish (an arrival counter,
-kernels/triton/arrival.py) merges the splits in split order, out = sum_s 2^(lse_s - lse) * o_s, for the
-G heads. With one split the program writes its output directly (the merge of one split is that split).
+Stage 2, grid (bs, H): merges the splits, out = sum_s 2^(lse_s - lse) * o_s.
 
 A batch of 1 on a long context thus runs Hkv * num_splits programs instead of Hkv; `pick_num_kv_splits`
 chooses num_splits so the whole GPU is busy. Logits and softmax statistics are float32; P @ V runs in the
@@ -28,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton import arrival, pdl
+from kernels.triton import pdl
 
 _LOG2E = 1.4426950408889634
 MAX_KV_SPLITS = 64
@@ -60,8 +58,6 @@ def _decode_stage1(
     Seq_lens,
     Mid_o,
     Mid_lse,
-    O,
-    Locks,
     stride_qt,
     stride_qh,
     stride_kbs,
@@ -74,17 +70,13 @@ def _decode_stage1(
     stride_mo_s,
     stride_ml_b,
     stride_ml_h,
-    stride_ot,
-    stride_oh,
     qk_scale,
     num_splits,
-    num_kv_heads,
     G: tl.constexpr,
     D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -133,36 +125,53 @@ def _decode_stage1(
 
     nonempty = l_i > 0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    mask_hd = mask_h[:, None] & mask_d[None, :]
-    o_ptrs = O + b * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
-    if SINGLE_SPLIT:  # the merge of one split is that split's output, exactly
-        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=mask_hd)
-    else:
-        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-        mo_ptrs = Mid_o + b * stride_mo_b + heads[:, None] * stride_mo_h + offs_d[None, :]
-        ml_ptrs = Mid_lse + b * stride_ml_b + heads * stride_ml_h
-        tl.store(mo_ptrs + split * stride_mo_s, out, mask=mask_hd)
-        tl.store(ml_ptrs + split, lse, mask=mask_h)
-        # The last of this (request, kv head)'s programs to arrive merges every split in split order
-        # (kernels/triton/arrival.py), so the result does not depend on which program came last.
-        tl.debug_barrier()
-        counter = Locks + b * num_kv_heads + kvh
-        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
-            m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-            l = tl.zeros([BLOCK_H], dtype=tl.float32)
-            merged = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-            for sp in range(0, num_splits):
-                lse_s = tl.load(ml_ptrs + sp, mask=mask_h, other=float("-inf"), cache_modifier=".cg")
-                o_s = tl.load(mo_ptrs + sp * stride_mo_s, mask=mask_hd, other=0.0, cache_modifier=".cg")
-                m_new = tl.maximum(m, lse_s)
-                alpha = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_new))
-                w = tl.where(lse_s == float("-inf"), 0.0, tl.exp2(lse_s - m_new))
-                merged = merged * alpha[:, None] + w[:, None] * o_s
-                l = l * alpha + w
-                m = m_new
-            merged = merged / tl.where(l > 0, l, 1.0)[:, None]
-            tl.store(o_ptrs, merged.to(O.dtype.element_ty), mask=mask_hd)
-            tl.atomic_xchg(counter, 0)
+    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    tl.store(
+        Mid_o + b * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s + offs_d[None, :],
+        out,
+        mask=mask_h[:, None] & mask_d[None, :],
+    )
+    tl.store(Mid_lse + b * stride_ml_b + heads * stride_ml_h + split, lse, mask=mask_h)
+
+
+@triton.jit
+def _decode_stage2(
+    Mid_o,
+    Mid_lse,
+    O,
+    stride_mo_b,
+    stride_mo_h,
+    stride_mo_s,
+    stride_ml_b,
+    stride_ml_h,
+    stride_ot,
+    stride_oh,
+    num_splits,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    m = float("-inf")
+    l = 0.0
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s in range(0, num_splits):
+        lse_s = tl.load(Mid_lse + b * stride_ml_b + h * stride_ml_h + s)
+        o_s = tl.load(Mid_o + b * stride_mo_b + h * stride_mo_h + s * stride_mo_s + offs_d, mask=mask_d, other=0.0)
+        m_new = tl.maximum(m, lse_s)
+        alpha = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_new))
+        w = tl.where(lse_s == float("-inf"), 0.0, tl.exp2(lse_s - m_new))
+        acc = acc * alpha + w * o_s
+        l = l * alpha + w
+        m = m_new
+    out = acc / tl.where(l > 0, l, 1.0)
+    tl.store(O + b * stride_ot + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=mask_d)
 
 
 def pick_num_kv_splits(
@@ -221,8 +230,6 @@ def decode_attention(
         seq_lens,
         mid_o,
         mid_lse,
-        out,
-        arrival.counters(q.device, bs * num_kv_heads),
         q.stride(0),
         q.stride(1),
         k_buf.stride(0),
@@ -235,20 +242,33 @@ def decode_attention(
         mid_o.stride(2),
         mid_lse.stride(0),
         mid_lse.stride(1),
-        out.stride(0),
-        out.stride(1),
         scale * _LOG2E,
         num_splits,
-        num_kv_heads,
         G=group,
         D=head_dim,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d,
         BLOCK_N=block_n,
-        SINGLE_SPLIT=num_splits == 1,
         **dot_flags(q.dtype, q.device),
         num_warps=4,
         num_stages=2,
+        **pdl.launch_args(q.device),
+    )
+    _decode_stage2[(bs, num_heads)](
+        mid_o,
+        mid_lse,
+        out,
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        num_splits,
+        D=head_dim,
+        BLOCK_D=block_d,
+        num_warps=1,
         **pdl.launch_args(q.device),
     )
     return out

@@ -4,8 +4,7 @@
     fused_add_rmsnorm(x, r, w, eps)     s = x + r; y = rmsnorm(s); returns (y, s)        one pass instead of four
     silu_and_mul(x)                     (T, 2d) = [gate | up] -> silu(gate) * up          (T, d)
     rope(q, k, cos, sin)                rotate-half rotary embedding of q (T, H, D) and k (T, Hkv, D) into
-                                        new contiguous tensors, cos/sin (T, D) shared by all heads;
-    rope(q, k, cos, sin, store=...)     the same, and the rotated k and v written into the KV pool (store_kv)
+                                        new contiguous tensors, cos/sin (T, D) shared by all heads
 
 Numerics follow the torch code they replace (Hugging Face's): reductions and products in float32, and the
 same roundings to the activation dtype at the same places (the normalized x is rounded before the weight
@@ -16,7 +15,7 @@ program (rows of up to 16K elements fit one block). Inputs may be row-strided vi
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 import triton
@@ -149,38 +148,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rotate_heads(
-    X,
-    XO,
-    t,
-    stride_xt,
-    stride_xh,
-    c1,
-    c2,
-    s1,
-    s2,
-    offs_d,
-    mask_d,
-    NH: tl.constexpr,
-    HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    """Rotate the NH heads of token t of X into the contiguous XO; returns the two rotated halves, rounded to
-    XO's dtype (rotate-half: out[:half] = x1 * cos1 - x2 * sin1, out[half:] = x2 * cos2 + x1 * sin2)."""
-    offs_h = tl.arange(0, BLOCK_H)
-    m = (offs_h[:, None] < NH) & mask_d[None, :]
-    base = X + t * stride_xt + offs_h[:, None] * stride_xh + offs_d[None, :]
-    x1 = tl.load(base, mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(base + HALF, mask=m, other=0.0).to(tl.float32)
-    out = XO + t * (NH * 2 * HALF) + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
-    y1 = (x1 * c1[None, :] - x2 * s1[None, :]).to(XO.dtype.element_ty)
-    y2 = (x2 * c2[None, :] + x1 * s2[None, :]).to(XO.dtype.element_ty)
-    tl.store(out, y1, mask=m)
-    tl.store(out + HALF, y2, mask=m)
-    return y1, y2
-
-
-@triton.jit
 def _rope_kernel(
     Q,
     K,
@@ -188,28 +155,17 @@ def _rope_kernel(
     KO,
     COS,
     SIN,
-    V,
-    K_buf,
-    V_buf,
-    Loc,
     stride_qt,
     stride_qh,
     stride_kt,
     stride_kh,
     stride_ct,
     stride_st,
-    stride_vt,
-    stride_vh,
-    stride_kbs,
-    stride_kbh,
-    stride_vbs,
-    stride_vbh,
     H: tl.constexpr,
     HKV: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
-    STORE_KV: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -222,35 +178,28 @@ def _rope_kernel(
     c2 = tl.load(COS + t * stride_ct + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)
     s1 = tl.load(SIN + t * stride_st + offs_d, mask=mask_d, other=0.0).to(tl.float32)
     s2 = tl.load(SIN + t * stride_st + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    _rotate_heads(Q, QO, t, stride_qt, stride_qh, c1, c2, s1, s2, offs_d, mask_d, H, HALF, BLOCK_H)
-    k1, k2 = _rotate_heads(K, KO, t, stride_kt, stride_kh, c1, c2, s1, s2, offs_d, mask_d, HKV, HALF, BLOCK_H)
-    if STORE_KV:  # what store_kv does with the rotated k and v: cast to the pool's dtype, write at slot Loc[t]
-        slot = tl.load(Loc + t).to(tl.int64)
-        offs_h = tl.arange(0, BLOCK_H)
-        m = (offs_h[:, None] < HKV) & mask_d[None, :]
-        kb = K_buf + slot * stride_kbs + offs_h[:, None] * stride_kbh + offs_d[None, :]
-        tl.store(kb, k1.to(K_buf.dtype.element_ty), mask=m)
-        tl.store(kb + HALF, k2.to(K_buf.dtype.element_ty), mask=m)
-        vs = V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
-        vb = V_buf + slot * stride_vbs + offs_h[:, None] * stride_vbh + offs_d[None, :]
-        tl.store(vb, tl.load(vs, mask=m).to(V_buf.dtype.element_ty), mask=m)
-        tl.store(vb + HALF, tl.load(vs + HALF, mask=m).to(V_buf.dtype.element_ty), mask=m)
+    offs_h = tl.arange(0, BLOCK_H)
+    # q: out[:half] = x1 * cos1 - x2 * sin1 ; out[half:] = x2 * cos2 + x1 * sin2 (rotate-half)
+    m = (offs_h[:, None] < H) & mask_d[None, :]
+    base = Q + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
+    x1 = tl.load(base, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF, mask=m, other=0.0).to(tl.float32)
+    out = QO + t * (H * 2 * HALF) + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
+    tl.store(out, (x1 * c1[None, :] - x2 * s1[None, :]).to(QO.dtype.element_ty), mask=m)
+    tl.store(out + HALF, (x2 * c2[None, :] + x1 * s2[None, :]).to(QO.dtype.element_ty), mask=m)
+    m = (offs_h[:, None] < HKV) & mask_d[None, :]
+    base = K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
+    x1 = tl.load(base, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF, mask=m, other=0.0).to(tl.float32)
+    out = KO + t * (HKV * 2 * HALF) + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
+    tl.store(out, (x1 * c1[None, :] - x2 * s1[None, :]).to(KO.dtype.element_ty), mask=m)
+    tl.store(out + HALF, (x2 * c2[None, :] + x1 * s2[None, :]).to(KO.dtype.element_ty), mask=m)
 
 
-def rope(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    store: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """q (T, H, D), k (T, Hkv, D) (views allowed, last dim contiguous); cos, sin (T, D) or (T, 1, D).
 
     Returns rotated (q, k) as new contiguous tensors in q's / k's dtype.
-
-    store = (v, k_buf, v_buf, loc): also write the rotated k and v (T, Hkv, D) into the KV pool's buffers
-    ((num_slots, Hkv, D), cast to their dtype) at slots loc ((T,) int, distinct), in the same launch:
-    what kernels.triton.store_kv.store_kv(k_buf, v_buf, loc, rotated k, v) does, bit for bit.
     """
     T, H, D = q.shape
     hkv = k.shape[1]
@@ -258,14 +207,6 @@ def rope(
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos2.stride(-1) == 1 and sin2.stride(-1) == 1
     qo = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
     ko = torch.empty((T, hkv, D), dtype=k.dtype, device=k.device)
-    if store is not None:
-        v, k_buf, v_buf, loc = store
-        assert v.shape == k.shape and v.stride(-1) == 1 and k_buf.shape[1:] == (hkv, D) == v_buf.shape[1:]
-        assert k_buf.stride(-1) == 1 and v_buf.stride(-1) == 1
-        kv_strides = (v.stride(0), v.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1))
-    else:
-        v, k_buf, v_buf, loc = k, k, k, k  # not read
-        kv_strides = (0,) * 6
     if T:
         half = D // 2
         _rope_kernel[(T,)](
@@ -275,23 +216,17 @@ def rope(
             ko,
             cos2,
             sin2,
-            v,
-            k_buf,
-            v_buf,
-            loc,
             q.stride(0),
             q.stride(1),
             k.stride(0),
             k.stride(1),
             cos2.stride(0),
             sin2.stride(0),
-            *kv_strides,
             H=H,
             HKV=hkv,
             HALF=half,
             BLOCK_H=triton.next_power_of_2(max(H, hkv)),
             BLOCK_HALF=triton.next_power_of_2(half),
-            STORE_KV=store is not None,
             num_warps=4,
             **pdl.launch_args(q.device),
         )

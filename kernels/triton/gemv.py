@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton import arrival, pdl
+from kernels.triton import pdl
 
 
 class GemvConfig(NamedTuple):
@@ -62,26 +62,6 @@ MAX_ROWS = 16  # x of up to this many rows takes the rows kernel; larger product
 
 
 @triton.jit
-def _load_x(ptrs, mask, gate_offset, GATED: tl.constexpr):
-    """A tile of x (`mask` None: all of it): the stored input, or with GATED silu(gate) * up of the gated input
-    [gate | up] (up `gate_offset` elements after gate), rounded as fused_layers.silu_and_mul rounds (silu(gate)
-    to x's dtype, then the product), so a gated product equals the product of silu_and_mul's output bit for bit."""
-    if mask is None:
-        g = tl.load(ptrs)
-    else:
-        g = tl.load(ptrs, mask=mask, other=0.0)
-    if GATED:
-        if mask is None:
-            u = tl.load(ptrs + gate_offset).to(tl.float32)
-        else:
-            u = tl.load(ptrs + gate_offset, mask=mask, other=0.0).to(tl.float32)
-        gf = g.to(tl.float32)
-        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
-        g = (act * u).to(g.dtype)
-    return g
-
-
-@triton.jit
 def _gemv_kernel(
     X,
     W,
@@ -92,7 +72,6 @@ def _gemv_kernel(
     stride_wn,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
-    GATED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -117,14 +96,14 @@ def _gemv_kernel(
             w_next = tl.load(w_ptrs + k, eviction_policy="evict_first")
         else:
             w_next = tl.load(w_ptrs + k, mask=(k + cols[None, :]) < K, other=0.0, eviction_policy="evict_first")
-        x = _load_x(X + (k - BLOCK_K) + cols, None, K, GATED)  # tile k - BLOCK_K is whole: it ends at k < K
+        x = tl.load(X + (k - BLOCK_K) + cols)  # tile k - BLOCK_K is a whole tile: it ends at k < K
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         w = w_next
     last = ((K - 1) // BLOCK_K) * BLOCK_K
     if EVEN_K:
-        x = _load_x(X + last + cols, None, K, GATED)
+        x = tl.load(X + last + cols)
     else:
-        x = _load_x(X + last + cols, (last + cols) < K, K, GATED)
+        x = tl.load(X + last + cols, mask=(last + cols) < K, other=0.0)
     acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
@@ -159,7 +138,6 @@ def _rows_kernel(
     stride_ym,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
-    GATED: tl.constexpr,
     F32_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -193,11 +171,11 @@ def _rows_kernel(
             w_next = tl.load(w_ptrs + k, eviction_policy="evict_first")
         else:
             w_next = tl.load(w_ptrs + k, mask=(k + cols[None, :]) < k_len, other=0.0, eviction_policy="evict_first")
-        x = _load_x(x_ptrs + (k - BLOCK_K), m_ok[:, None], K, GATED)
+        x = tl.load(x_ptrs + (k - BLOCK_K), mask=m_ok[:, None], other=0.0)
         acc = _dot_acc(x, w, acc, F32_DOT)
         w = w_next
     last = ((k_len - 1) // BLOCK_K) * BLOCK_K
-    x = _load_x(x_ptrs + last, m_ok[:, None] & ((last + cols[None, :]) < k_len), K, GATED)
+    x = tl.load(x_ptrs + last, mask=m_ok[:, None] & ((last + cols[None, :]) < k_len), other=0.0)
     acc = _dot_acc(x, w, acc, F32_DOT)
     store_ok = m_ok[:, None] & row_ok[None, :]
     y_ptrs = Y + ms[:, None] * stride_ym + rows[None, :]
@@ -279,23 +257,18 @@ def gemv(
     bias: Optional[torch.Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
     config: Optional[GemvConfig | RowsConfig] = None,
-    gated: bool = False,
 ) -> torch.Tensor:
     """x (M, K) with M <= MAX_ROWS, or (K,); weight (N, K) with contiguous rows; bias (N,) -> (M, N) (or (N,)).
 
     The result is rounded to x's dtype, then stored as `out_dtype` (default x's dtype): F.linear(x, w).float()
     in one kernel for float32 logits. One row takes `_gemv_kernel` (tile `config`: a GemvConfig), 2..MAX_ROWS
     rows `_rows_kernel` (a RowsConfig).
-
-    gated: x is (M, 2K) = [gate | up] and the product is silu_and_mul(x) @ weight^T, the activation computed
-    as x is read (one launch instead of two, bit-identical to them: `_load_x`).
     """
     squeeze = x.dim() == 1
     x2 = x.reshape(1, -1) if squeeze else x
     n, k = weight.shape
-    if x2.dim() != 2 or x2.shape[1] != (2 * k if gated else k):
-        what = f"2 x {k} (gate and up)" if gated else str(k)
-        raise ValueError(f"gemv: x has {x2.shape[-1]} columns, the weight needs {what}")
+    if x2.dim() != 2 or x2.shape[1] != k:
+        raise ValueError(f"gemv: x has {x2.shape[-1]} columns, weight has {k}")
     m = x2.shape[0]
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"gemv: x has {m} rows; 1 to {MAX_ROWS} are supported")
@@ -303,8 +276,7 @@ def gemv(
         raise ValueError("gemv: weight rows must be contiguous")
     x2 = x2 if x2.is_contiguous() else x2.contiguous()
     if m > 1:
-        cfg = config or pick_rows_config(n, k, weight.dtype)
-        return _gemv_rows(x2, weight, bias, out_dtype or x.dtype, cfg, gated)
+        return _gemv_rows(x2, weight, bias, out_dtype or x.dtype, config or pick_rows_config(n, k, weight.dtype))
     cfg = config or pick_config(n, k, weight.dtype)
     y = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
@@ -317,7 +289,6 @@ def gemv(
         weight.stride(0),
         HAS_BIAS=bias is not None,
         EVEN_K=k % cfg.block_k == 0,
-        GATED=gated,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps,
@@ -326,24 +297,34 @@ def gemv(
     return y.view(n) if squeeze else y
 
 
+_LOCKS: dict = {}
+
+
+def _split_locks(device: torch.device, n_blocks: int) -> torch.Tensor:
+    """Arrival counters of split-K launches on `device`, all zero between launches (the last program of each
+    row block resets its own). One buffer per device: launches that use it must not run concurrently, as
+    the kernels of one stream do not (the engine's forward passes share one stream per device)."""
+    key = (device.type, device.index)
+    locks = _LOCKS.get(key)
+    if locks is None or locks.numel() < n_blocks:
+        locks = torch.zeros(max(n_blocks, 1 << 14), dtype=torch.int32, device=device)
+        _LOCKS[key] = locks
+    return locks
+
+
 def _gemv_rows(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    out_dtype: torch.dtype,
-    cfg: RowsConfig,
-    gated: bool,
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: torch.dtype, cfg: RowsConfig
 ) -> torch.Tensor:
-    """x (M, K) (gated: (M, 2K)) contiguous, 2 <= M <= MAX_ROWS -> (M, N) through `_rows_kernel`."""
-    m = x.shape[0]
-    n, k = weight.shape
+    """x (M, K) contiguous, 2 <= M <= MAX_ROWS -> (M, N) through `_rows_kernel`."""
+    m, k = x.shape
+    n = weight.shape[0]
     y = torch.empty((m, n), dtype=out_dtype, device=x.device)
     block_m = max(16, triton.next_power_of_2(m))
     n_blocks = triton.cdiv(n, cfg.block_n)
     split = cfg.split_k if k % (cfg.split_k * cfg.block_k) == 0 else 1
     if split > 1:
         workspace = torch.empty(n_blocks * split * block_m * cfg.block_n, dtype=torch.float32, device=x.device)
-        locks = arrival.counters(x.device, n_blocks)
+        locks = _split_locks(x.device, n_blocks)
     else:
         workspace = locks = y  # not read
     _rows_kernel[(n_blocks * split,)](
@@ -361,7 +342,6 @@ def _gemv_rows(
         y.stride(0),
         HAS_BIAS=bias is not None,
         EVEN_K=(k // split) % cfg.block_k == 0,
-        GATED=gated,
         F32_DOT=x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n,

@@ -226,3 +226,20 @@ def test_gpu_schema_and_regex_masks_on_cuda():
             assert_ends_like_eos(engine, out)
             assert re.fullmatch(EMAIL, out.text), out.text
         assert_no_leak(engine)
+
+
+def test_grammar_byte_table_is_checked_against_the_tokenizer(default_engine):
+    """llguidance's byte table must read the tokenizer's tokens back to the same text; a table that keeps a
+    byte-level tokenizer's "Ġ" as two bytes (what some transformers versions gave it) is refused by name."""
+    from engine.runner.grammar import token_bytes_mismatch
+
+    compiler = default_engine.local_core.grammar
+    table = compiler._llg_tokenizer("json_schema")
+    tokenizer = compiler.hf_tokenizer
+    assert token_bytes_mismatch(table.decode_bytes, tokenizer) is None
+
+    def unmapped(ids):  # the raw token strings, byte-level marks left in
+        return "".join(tokenizer.convert_ids_to_tokens(ids)).encode()
+
+    problem = token_bytes_mismatch(unmapped, tokenizer)
+    assert problem is not None and "disagrees with the tokenizer" in problem and "\\xc4\\xa0" in problem

@@ -96,31 +96,6 @@ def test_rope_on_qkv_views(dtype, heads, kv_heads, head_dim):
     torch.testing.assert_close(qo.float(), RotaryEmbedding.apply(q, cos, sin).float(), **tol)
 
 
-@pytest.mark.parametrize("dtype,buf_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 1, 128)])
-def test_rope_with_kv_store_equals_rope_then_store_kv(dtype, buf_dtype, heads, kv_heads, head_dim):
-    """rope(..., store=(v, k_buf, v_buf, loc)) rotates q and k as rope does and writes the rotated k and v into
-    the pool as store_kv does, bit for bit, on qkv views; slots outside `loc` are untouched."""
-    from kernels.triton.store_kv import store_kv
-
-    T, slots = 7, 20
-    qkv = randn(T, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
-    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    q, k, v = (t.view(T, -1, head_dim) for t in (q, k, v))
-    positions = torch.arange(3, 3 + T, device=DEVICE)
-    freqs = positions.float()[:, None] * (10000.0 ** (-torch.arange(0, head_dim, 2, device=DEVICE) / head_dim))
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
-    loc = torch.tensor([19, 2, 5, 11, 0, 7, 13], device=DEVICE)
-    bufs = [randn(slots, kv_heads, head_dim, dtype=buf_dtype, seed=s) for s in (5, 6)]
-    ref_k, ref_v = (b.clone() for b in bufs)
-    qr, kr = fl.rope(q, k, cos, sin)
-    store_kv(ref_k, ref_v, loc, kr, v)
-    qo, ko = fl.rope(q, k, cos, sin, store=(v, bufs[0], bufs[1], loc))
-    assert torch.equal(qo, qr) and torch.equal(ko, kr)
-    assert torch.equal(bufs[0], ref_k) and torch.equal(bufs[1], ref_v)
-
-
 def test_build_kv_indices():
     gen = torch.Generator().manual_seed(0)
     r2t = torch.randint(1, 10**6, (6, 700), generator=gen, dtype=torch.int32).to(DEVICE)
