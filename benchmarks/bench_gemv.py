@@ -141,7 +141,7 @@ def main() -> None:
                     tiles = [
                         RowsConfig(bn, bk, warps, stages, split)
                         for bn, bk, warps, stages, split in itertools.product(
-                            (16, 32, 64), (128, 256, 512), (4,), (1, 3, 4), (1, 2, 4, 8)
+                            (16, 32, 64, 128), (128, 256, 512), (4,), (1, 3, 4), (1, 2, 4, 8)
                         )
                         if k % (split * bk) == 0 and triton.cdiv(n, bn) * split <= 4096
                     ]

@@ -230,16 +230,16 @@ def pick_config(n: int, k: int, dtype: torch.dtype) -> GemvConfig:
 def pick_rows_config(n: int, k: int, dtype: torch.dtype) -> RowsConfig:
     """Tile of the rows kernel for an (n, k) weight: a fixed function of the shape (no autotuning).
 
-    From `benchmarks/bench_gemv.py --rows 8 --sweep` on an H100 (Llama-3.1-8B's shapes, bf16, PDL on; each
-    within ~1% of its shape's best tile), so that enough programs stream at once:
-      many rows (n >= 16384: gate_up, lm_head): 64 rows per program, 256-element K tiles, 3 stages;
+    From `benchmarks/bench_gemv.py --rows 8 --sweep` on an H100 and an H200 (Llama-3.1-8B's shapes, bf16, PDL
+    on; each the best tile or within ~1% of it on both), so that enough programs stream at once:
+      many rows (n >= 16384: gate_up, lm_head): 128 rows per program, 128-element K tiles, 3 stages;
       n > 4096 (qkv): 16 rows, 256-element tiles, 3 stages;
       otherwise (o, down: 4096 rows, only 256 programs of 16 rows): 32 rows and K split in 4 (512
         programs), 128-element tiles, 3 stages.
     Smaller shapes (tests, small models) get tiles that fit them. Cached: it runs on every eager call.
     """
     if n >= 16384:
-        block_n, block_k, split = 64, 256, 1
+        block_n, block_k, split = 128, 128, 1
     elif n > 4096:
         block_n, block_k, split = 16, 256, 1
     else:

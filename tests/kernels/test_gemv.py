@@ -131,13 +131,14 @@ def test_gemv_rows_float32_logits_and_bad_row_counts():
 
 
 def test_pick_rows_config_tiles():
-    """The tiles bench_gemv --rows 8 --sweep chose for Llama-3.1-8B on an H100, and small shapes fitted."""
+    """The tiles bench_gemv --rows 8 --sweep chose for Llama-3.1-8B on an H100 and an H200, and small shapes
+    fitted."""
     bf16 = torch.bfloat16
     assert pick_rows_config(6144, 4096, bf16) == RowsConfig(16, 256, 4, 3, 1)  # qkv
     assert pick_rows_config(4096, 4096, bf16) == RowsConfig(32, 128, 4, 3, 4)  # o
-    assert pick_rows_config(28672, 4096, bf16) == RowsConfig(64, 256, 4, 3, 1)  # gate_up
+    assert pick_rows_config(28672, 4096, bf16) == RowsConfig(128, 128, 4, 3, 1)  # gate_up
     assert pick_rows_config(4096, 14336, bf16) == RowsConfig(32, 128, 4, 3, 4)  # down
-    assert pick_rows_config(128256, 4096, bf16) == RowsConfig(64, 256, 4, 3, 1)  # lm_head
+    assert pick_rows_config(128256, 4096, bf16) == RowsConfig(128, 128, 4, 3, 1)  # lm_head
     assert pick_rows_config(5, 40, torch.float32) == RowsConfig(16, 64, 4, 3, 1)  # no even split of K = 40
 
 
