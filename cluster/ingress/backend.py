@@ -34,7 +34,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Dict, List, Optional, Tuple
 
 from ray.exceptions import ActorUnavailableError
 
@@ -48,6 +48,9 @@ from engine.sampling_params import SamplingParams
 from engine.text import OutputText
 from serving.backend import ServingBackend, ServingLoad
 from serving.errors import RETRY_AFTER_S, APIError, queue_full
+
+if TYPE_CHECKING:  # pragma: no cover
+    from cluster.router.router import ClusterStats
 
 
 logger = logging.getLogger("ray.serve")
@@ -202,7 +205,7 @@ class ClusterBackend(ServingBackend):
         """Calls in flight that nobody awaits (router.finish, aborts)."""
         self.latency = IngressLatency()
         """This replica's routing-call and call → first message times (GET /router/stats, "ingress")."""
-        self.last_stats: Optional[Any] = None
+        self.last_stats: Optional["ClusterStats"] = None
         """The last ClusterStats fetched (for the per-worker metrics collector)."""
         self.held = 0
         """Requests of this replica between their arrival here and their end."""
@@ -437,17 +440,17 @@ class ClusterBackend(ServingBackend):
         if worker_id is not None:
             self._abort_on(worker_id, rid)
 
-    async def cluster_stats(self) -> Any:
+    async def cluster_stats(self) -> "ClusterStats":
         self.last_stats = await asyncio.wait_for(self.router.stats.remote(), 30)
         return self.last_stats
 
     async def stats(self) -> ServingLoad:
         s = await self.cluster_stats()
-        engines = [w.engine for w in s.workers.values()]
-        kv = [e.get("kv_usage", 0.0) for e in engines]
+        engines = [w.reported.engine if w.reported is not None else None for w in s.workers.values()]
+        kv = [e.kv_usage if e is not None else 0.0 for e in engines]  # a worker not reported yet: 0
         return ServingLoad(
-            running=int(sum(e.get("running", 0) for e in engines)),
-            waiting=int(sum(e.get("waiting", 0) for e in engines)),
+            running=sum(e.running for e in engines if e is not None),
+            waiting=sum(e.waiting for e in engines if e is not None),
             kv_usage=sum(kv) / len(kv) if kv else 0.0,
             cache_hit_rate=s.cache_hit_rate,
         )

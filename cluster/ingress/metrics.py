@@ -9,7 +9,7 @@ class WorkerGauges:
     """Prometheus collector: per-worker gauges from the backend's last ClusterStats (refreshed at
     each /metrics scrape before rendering), labelled by pool and replica."""
 
-    _GAUGES = (
+    _GAUGES = (  # (EngineStats field, metric, help)
         ("running", "radixserve_worker_num_requests_running", "Requests in the worker's running batch."),
         ("waiting", "radixserve_worker_num_requests_waiting", "Requests in the worker's waiting queue."),
         ("kv_usage", "radixserve_worker_kv_cache_usage_ratio", "Worker KV pool share held by requests."),
@@ -18,7 +18,7 @@ class WorkerGauges:
         ("cached_tokens", "radixserve_worker_cached_prompt_tokens", "Prompt tokens served from its cache."),
         ("generated_tokens", "radixserve_worker_generation_tokens", "Tokens the worker generated."),
     )
-    _ROUTER = (
+    _ROUTER = (  # (WorkerView field, metric, help)
         ("routed_requests", "radixserve_router_routed_requests", "Requests the router sent to the worker."),
         ("matched_tokens", "radixserve_router_matched_tokens", "Prompt tokens the router's tree held."),
         ("tree_tokens", "radixserve_router_tree_tokens", "Tokens in the router's tree of the worker."),
@@ -38,7 +38,10 @@ class WorkerGauges:
         for key, name, doc in self._GAUGES + self._ROUTER:
             g = GaugeMetricFamily(name, doc, labels=labels)
             for wid, w in s.workers.items() if s is not None else ():
-                value = w.engine.get(key, 0.0) if (key, name, doc) in self._GAUGES else getattr(w, key)
+                if (key, name, doc) in self._ROUTER:
+                    value = getattr(w, key)
+                else:  # a field of the worker's last EngineStats; 0 before its first report
+                    value = getattr(w.reported.engine, key) if w.reported is not None else 0.0
                 g.add_metric([self.model_name, w.pool, wid], float(value))
             families.append(g)
         lat = GaugeMetricFamily(

@@ -38,6 +38,6 @@ from cluster.router.state import (
     MembershipChange,
     RouterConfig,
     WorkerState,  # noqa: F401
-    WorkerStats,
+    RoutingStats,
 )
 from cluster.router.tree import ApproximateTree  # noqa: F401

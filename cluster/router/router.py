@@ -9,9 +9,10 @@ mode, `prefill` and `decode` in disaggregated mode.
     control loop, every report_interval_s, for each pool:
         membership  ◀── cluster.membership.members(): the worker replica set this process's handle
                         hears from the Serve controller (joiners start empty, leavers are purged)
-        reports     ◀── Worker.report(), pinned to each member: queue length, KV usage, cache
-                        events (replayed onto that worker's tree); a call failing because the
-                        actor died purges the worker at once
+        reports     ◀── Worker.report(), pinned to each member: its WorkerStats (kept per worker; queue
+                        length, KV usage and capacity feed the routing state) and cache events
+                        (replayed onto that worker's tree); a call failing because the actor died
+                        purges the worker at once
         scaler      ──▶ PoolScaler.step() (cluster/scaling/loop.py): pool sizes from LLM signals and the
                         operator's settings; drained replicas are left out of the routing set
     ingress ──stats()──▶ ClusterStats (GET /router/stats, /metrics)
@@ -28,9 +29,9 @@ import collections
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, InstanceOf, computed_field
 from ray.exceptions import ActorDiedError
 
 from cluster import membership
@@ -40,7 +41,11 @@ from cluster.router.state import RouterConfig, WorkerState
 from cluster.scaling.loop import PoolScaler
 from cluster.scaling.models import AdminError, ClusterPools, PoolStatus, ReplicaStatus, ScaleRequest
 from cluster.scaling.policy import ScalingConfig
+from cluster.workers.stats import WorkerStats
 from serving.response_store import LruResponses, StoredResponse, StoreLimits
+
+if TYPE_CHECKING:  # pragma: no cover
+    from cluster.workers.base import WorkerReport
 
 logger = logging.getLogger("ray.serve")
 
@@ -73,7 +78,14 @@ class WorkerView(BaseModel):
     kv_usage: float
     load: float
     events_applied: int
-    engine: Dict[str, float] = Field(default_factory=dict, description="The worker's last engine.stats().")
+    reported: Optional[InstanceOf[WorkerStats]] = Field(
+        None, exclude=True, description="The worker's last report; None before the first."
+    )
+
+    @computed_field(description="The worker's last report, flat (WorkerStats.as_dict); {} before the first.")
+    @property
+    def engine(self) -> Dict[str, float]:
+        return self.reported.as_dict() if self.reported is not None else {}
 
 
 class ClusterStats(BaseModel):
@@ -107,8 +119,8 @@ class _Pool:
     router: PoolRouter
     deployment_id: Any
     members_version: int = -1
-    engine_stats: Dict[str, Dict[str, float]] = field(default_factory=dict)
-    """worker id → its last engine.stats()."""
+    reports: Dict[str, WorkerStats] = field(default_factory=dict)
+    """worker id → its last WorkerStats."""
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     """Set while the pool has at least one worker."""
 
@@ -116,8 +128,8 @@ class _Pool:
     def routed_workers(self) -> Dict[str, WorkerState]:
         return self.router.state.workers
 
-    def engine_reports(self) -> Dict[str, Dict[str, float]]:
-        return self.engine_stats
+    def worker_stats(self) -> Dict[str, WorkerStats]:
+        return self.reports
 
     def resync_members(self) -> None:
         self.members_version = -1  # differs from every membership version: the next sync recomputes
@@ -265,11 +277,12 @@ class RouterDeployment:
                     kv_usage=s.kv_usage,
                     load=s.load,
                     events_applied=state.workers[wid].events_applied,
-                    engine=p.engine_stats.get(wid, {}),
+                    reported=p.reports.get(wid),
                 )
         computing = [v for v in views.values() if v.pool != "decode"]
-        prompt = sum(v.engine.get("prompt_tokens", 0) for v in computing)
-        cached = sum(v.engine.get("cached_tokens", 0) for v in computing)
+        engines = [v.reported.engine for v in computing if v.reported is not None]
+        prompt = sum(e.prompt_tokens for e in engines)
+        cached = sum(e.cached_tokens for e in engines)
         return ClusterStats(
             policy=self.policy,
             workers=views,
@@ -325,7 +338,7 @@ class RouterDeployment:
 
     def _record_change(self, p: _Pool, added: List[str], removed: List[str]) -> None:
         for w in removed:
-            p.engine_stats.pop(w, None)
+            p.reports.pop(w, None)
             self._purged.append(w)
         if added or removed:
             self._membership_changes += 1
@@ -361,9 +374,10 @@ class RouterDeployment:
                 logger.debug("router: report from %s failed: %r", wid, res)
             elif res.replica_id in p.router.state:
                 # res may come from another replica when the pinned one just left (fallback routing)
-                p.router.state.on_report(res.replica_id, res.queue_len, res.kv_usage, res.events, res.capacity)
-                p.engine_stats[res.replica_id] = res.stats
+                s = res.stats
+                p.router.state.on_report(res.replica_id, s.engine.waiting, s.engine.kv_usage, res.events, s.capacity)
+                p.reports[res.replica_id] = s
 
-    async def _report(self, p: _Pool, worker_id: str):
+    async def _report(self, p: _Pool, worker_id: str) -> "WorkerReport":
         call = p.handle.options(session_id=worker_id).report.remote()
         return await asyncio.wait_for(call, timeout=max(5.0, 10 * self.report_interval_s))

@@ -97,7 +97,9 @@ class WorkerState:
 
 
 @dataclass(frozen=True)
-class WorkerStats:
+class RoutingStats:
+    """What the router knows of one worker: its approximate tree, what it routed there, its load."""
+
     worker_id: WorkerId
     tree_tokens: int
     tree_nodes: int
@@ -242,9 +244,9 @@ class ClusterState:
     def match(self, worker_id: WorkerId, tokens: Sequence[int]) -> int:
         return self.workers[worker_id].tree.match(tokens)
 
-    def stats(self) -> Dict[WorkerId, WorkerStats]:
+    def stats(self) -> Dict[WorkerId, RoutingStats]:
         return {
-            w: WorkerStats(
+            w: RoutingStats(
                 worker_id=w,
                 tree_tokens=s.tree.size(),
                 tree_nodes=s.tree.num_nodes(),

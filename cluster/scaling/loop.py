@@ -29,7 +29,7 @@ import collections
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Literal, Mapping, Optional, Protocol, Set, Tuple
+from typing import Any, Dict, List, Literal, Mapping, Optional, Protocol, Sequence, Set, Tuple
 
 from cluster import membership
 from cluster.latency import LatencyWindow, RequestTiming
@@ -43,6 +43,7 @@ from cluster.scaling.models import (
     ScaleRequest,
 )
 from cluster.scaling.policy import PoolController, PoolSignals, ScalingConfig, p90, publish_target
+from cluster.workers.stats import WorkerStats
 
 logger = logging.getLogger("ray.serve")
 
@@ -64,7 +65,8 @@ class _Drain:
     """draining → drained → (remove: removing) / (scale-down: stopping) → forgotten when Serve drops it."""
     phase_since: float = 0.0
     idle_polls: int = 0
-    stats: Optional[Dict[str, float]] = None
+    stats: Optional[WorkerStats] = None
+    """The replica's last report while drained (the router no longer polls it)."""
 
 
 class RoutedWorker(Protocol):
@@ -76,7 +78,7 @@ class RoutedWorker(Protocol):
 
 class ScaledPool(Protocol):
     """One pool as the router deployment hands it to the scaler: the pool's Serve handle and deployment id,
-    the workers the router routes to and their last engine reports (read); a request to recompute the
+    the workers the router routes to and their last reports (read); a request to recompute the
     routing set, which subtracts `PoolScaler.excluded` (after a drain begins or ends)."""
 
     handle: Any
@@ -86,8 +88,8 @@ class ScaledPool(Protocol):
 
     def routed_workers(self) -> Mapping[str, RoutedWorker]: ...
 
-    def engine_reports(self) -> Mapping[str, Dict[str, float]]:
-        """Worker id → its last engine stats (workers that have reported)."""
+    def worker_stats(self) -> Mapping[str, WorkerStats]:
+        """Worker id → its last report (workers that have reported)."""
         ...
 
     def resync_members(self) -> None: ...
@@ -156,14 +158,15 @@ class PoolScaler:
 
     def _signals(self, name: str, now: float) -> PoolSignals:
         p = self.pools[name]
-        stats = [p.engine_reports().get(w, {}) for w in p.routed_workers()]
+        reports = p.worker_stats()
+        engines = [reports[w].engine if w in reports else None for w in p.routed_workers()]
         m = membership.members(p.deployment_id)
         lat = self.latency[name]
         return PoolSignals(
             ready=len(m.ids - m.dead),
-            waiting=int(sum(s.get("waiting", 0) for s in stats)),
-            running=int(sum(s.get("running", 0) for s in stats)),
-            kv_usage=sum(s.get("kv_usage", 0.0) for s in stats) / len(stats) if stats else 0.0,
+            waiting=sum(e.waiting for e in engines if e is not None),
+            running=sum(e.running for e in engines if e is not None),
+            kv_usage=_mean([e.kv_usage if e is not None else 0.0 for e in engines]),  # unreported: 0
             ttft_p90_ms=p90(lat["ttft"].recent(now)),
             itl_p90_ms=p90(lat["itl"].recent(now)),
         )
@@ -245,8 +248,8 @@ class PoolScaler:
             return
         if report.replica_id != d.replica_id:
             return  # answered by another replica (the pinned one just left)
-        d.stats = dict(report.stats)
-        idle = report.running == 0 and report.queue_len == 0
+        d.stats = report.stats
+        idle = report.stats.engine.running == 0 and report.stats.engine.waiting == 0
         settle = max(1.0, 2 * self.config.report_interval_s)  # requests routed just before exclusion
         d.idle_polls = d.idle_polls + 1 if idle and now - d.since >= settle else 0
         if d.phase == "draining" and d.idle_polls >= 2:
@@ -307,7 +310,8 @@ class PoolScaler:
         out = []
         for wid in ids:
             d = self.drains.get(wid)
-            s = (d.stats if d is not None else None) or p.engine_reports().get(wid, {})
+            s = (d.stats if d is not None else None) or p.worker_stats().get(wid)
+            e = s.engine if s is not None else None
             ws = workers.get(wid)
             sstate = serve.get(wid)
             if d is not None:
@@ -326,31 +330,32 @@ class PoolScaler:
                     state=label,
                     serve_state=sstate,
                     routable=(ws is not None or wid in live) and d is None,
-                    running=int(s.get("running", 0)),
-                    waiting=int(s.get("waiting", 0)),
-                    kv_usage=float(s.get("kv_usage", 0.0)),
-                    cache_hit_rate=float(s.get("cache_hit_rate", 0.0)),
+                    running=e.running if e else 0,
+                    waiting=e.waiting if e else 0,
+                    kv_usage=e.kv_usage if e else 0.0,
+                    cache_hit_rate=e.cache_hit_rate if e else 0.0,
                     in_flight=ws.in_flight if ws else 0,
                     routed_requests=ws.routed_requests if ws else 0,
-                    generated_tokens=int(s.get("generated_tokens", 0)),
-                    gpus=s.get("gpus"),
-                    tensor_parallel_size=int(s["tensor_parallel_size"]) if "tensor_parallel_size" in s else None,
+                    generated_tokens=e.generated_tokens if e else 0,
+                    gpus=s.gpus if s else None,
+                    tensor_parallel_size=s.tensor_parallel_size if s else None,
                 )
             )
         return out
 
-    def _totals(self, name: str) -> Dict[str, float]:
-        stats = list(self.pools[name].engine_reports().values())
-        prompt = sum(s.get("prompt_tokens", 0) for s in stats)
-        cached = sum(s.get("cached_tokens", 0) for s in stats)
-        return {
-            "generated": {w: s.get("generated_tokens", 0) for w, s in self.pools[name].engine_reports().items()},
-            "hit_rate": cached / prompt if prompt else 0.0,
-        }
+    def _generated(self, name: str) -> Dict[str, float]:
+        """Worker id → tokens it generated since it started (workers that have reported)."""
+        return {w: s.engine.generated_tokens for w, s in self.pools[name].worker_stats().items()}
+
+    def _hit_rate(self, name: str) -> float:
+        """Cached / prompt tokens over the pool's reported workers (0 before the first prompt)."""
+        engines = [s.engine for s in self.pools[name].worker_stats().values()]
+        prompt = sum(e.prompt_tokens for e in engines)
+        cached = sum(e.cached_tokens for e in engines)
+        return cached / prompt if prompt else 0.0
 
     def _sample(self, name: str, now: float) -> None:
-        totals = self._totals(name)
-        gen = totals["generated"]
+        gen = self._generated(name)
         prev = self._tokens.get(name)
         if prev is not None and now > prev[0]:
             delta = sum(max(0.0, v - prev[1].get(w, v)) for w, v in gen.items())
@@ -365,7 +370,7 @@ class PoolScaler:
                 waiting=s.waiting,
                 running=s.running,
                 kv_usage=s.kv_usage,
-                cache_hit_rate=totals["hit_rate"],
+                cache_hit_rate=self._hit_rate(name),
                 ttft_p90_ms=s.ttft_p90_ms,
                 itl_p90_ms=s.itl_p90_ms,
                 tokens_per_s=self._tokens_per_s[name],
@@ -401,7 +406,7 @@ class PoolScaler:
             waiting=s.waiting,
             running=s.running,
             kv_usage=s.kv_usage,
-            cache_hit_rate=self._totals(name)["hit_rate"],
+            cache_hit_rate=self._hit_rate(name),
             ttft_p90_ms=s.ttft_p90_ms,
             itl_p90_ms=s.itl_p90_ms,
             tokens_per_s=self._tokens_per_s[name],
@@ -461,3 +466,7 @@ class PoolScaler:
             raise AdminError(409, f"{replica_id} is not draining (or is being stopped)")
         self._forget(d)
         return next(r for r in self._replicas(d.pool) if r.replica_id == replica_id)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0

@@ -7,4 +7,5 @@ early_prefill.py  StartedPrompts: prompts the ingress started before their decod
 decode.py         DecodeWorker: reserves pages, has a prefill replica fill them, decodes
 handoff.py        what crosses between prefill and decode replicas (light: the ingress imports it)
 kv_endpoint.py    a replica's KV transfer backend over its engine's pool
+stats.py          WorkerStats: what a replica reports (light: the router and the ingress import it)
 """

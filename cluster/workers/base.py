@@ -6,7 +6,7 @@
             detokenizes and checks stop strings, and aborts a choice it stopped with abort(rid))
     ingress ──submit(input_ids, params, rid, ingress_id, replica_id), pinned──▶ starts a request
     ingress ──abort(rid)──▶ the request (or choice "<rid>#<i>") is aborted, its pages freed
-    router  ──report() every report_interval_s, pinned──▶ WorkerReport (load + drained cache events)
+    router  ──report() every report_interval_s, pinned──▶ WorkerReport (WorkerStats + drained cache events)
 
 Batching: the engine core sends one message per step for all its requests; the engine front end
 hands each request's outputs to the channel of the ingress that submitted it (OutputChannel), and
@@ -32,7 +32,10 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Dict, List, Optional, Set
 import ray
 from ray import serve
 
+from cluster.workers.stats import WorkerStats
+
 if TYPE_CHECKING:  # pragma: no cover
+    from engine.memory.radix_cache import CacheEvent
     from engine.outputs import EngineStats
 
 logger = logging.getLogger("ray.serve")
@@ -71,18 +74,11 @@ class WorkerReport:
     """What the router learns from one poll of one worker."""
 
     replica_id: str
-    queue_len: int
-    """Waiting requests in the engine."""
-    running: int
-    kv_usage: float
-    """Share of the KV pool held by requests, in [0, 1]."""
-    events: List[Any]
+    stats: WorkerStats
+    """The replica's engine stats (queue length, running, KV usage, counters) and its own figures."""
+    events: List["CacheEvent"] = field(default_factory=list)
     """engine CacheEvents drained since the previous report, in order."""
-    stats: Dict[str, float] = field(default_factory=dict)
-    """engine.stats() at report time (counters for /metrics)."""
     time: float = 0.0
-    capacity: Optional[int] = None
-    """Requests the engine admits (max_running_requests + max_queued_requests); None: unbounded."""
 
 
 class OutputChannel:
@@ -121,15 +117,10 @@ class WorkerBase:
         """rids aborted before their submit arrived (the two calls race): their submit is refused."""
         self._served: collections.deque = collections.deque(maxlen=4096)
         """rids of recent requests (the pinning proof reads them)."""
-        self._first_output = {"first_output_s": 0.0, "first_output_requests": 0}
-        reserved = ray.get_runtime_context().get_assigned_resources()
-        self._placement = {
-            "gpus": float(reserved.get("GPU", 0.0)),
-            "tensor_parallel_size": float(self.engine.config.tensor_parallel_size),
-        }
-        """This replica's GPUs (Ray's reservation: its rank processes use them) and ranks, in every report."""
-        """Sum over requests of submit → first output handed to its channel (this replica's share of the
-        TTFT: with the client's TTFT it splits time inside the worker from ingress, router and transport)."""
+        self._first_output_s, self._first_output_requests = 0.0, 0
+        """WorkerStats.first_output_s / first_output_requests."""
+        self._gpus = float(ray.get_runtime_context().get_assigned_resources().get("GPU", 0.0))
+        """Ray's reservation for this replica (its rank processes use them), in every report."""
 
     # ---- the ingress's stream ------------------------------------------------------------------
     async def outputs(self, ingress_id: str, replica_id: str) -> AsyncIterator[List[WorkerItem]]:
@@ -155,8 +146,8 @@ class WorkerBase:
         return channel
 
     def _count_first_output(self, start: float) -> None:
-        self._first_output["first_output_s"] += time.perf_counter() - start
-        self._first_output["first_output_requests"] += 1
+        self._first_output_s += time.perf_counter() - start
+        self._first_output_requests += 1
 
     def _check_replica(self, replica_id: str) -> None:
         if replica_id != self.replica_id:
@@ -182,27 +173,27 @@ class WorkerBase:
     async def report(self) -> WorkerReport:
         engine = await self.engine.stats_async()
         events = await self.engine.drain_cache_events_async()
-        return WorkerReport(
-            self.replica_id,
-            engine.waiting,
-            engine.running,
-            engine.kv_usage,
-            events,
-            self._with_extra(engine),
-            time.time(),
-            self.engine.config.admission_limit,
+        return WorkerReport(self.replica_id, self._worker_stats(engine), events, time.time())
+
+    async def stats(self) -> WorkerStats:
+        return self._worker_stats(await self.engine.stats_async())
+
+    def _worker_stats(self, engine: "EngineStats") -> WorkerStats:
+        """The engine's stats with this replica's own beside them (what the router receives)."""
+        config = self.engine.config
+        return WorkerStats(
+            engine,
+            capacity=config.admission_limit,
+            gpus=self._gpus,
+            tensor_parallel_size=config.tensor_parallel_size,
+            first_output_s=self._first_output_s,
+            first_output_requests=self._first_output_requests,
+            counters=self._extra_stats(),
         )
 
-    async def stats(self) -> Dict[str, float]:
-        return self._with_extra(await self.engine.stats_async())
-
-    def _with_extra(self, engine: "EngineStats") -> Dict[str, float]:
-        """The engine's stats with this replica's own beside them (what the router receives)."""
-        return {**engine.as_dict(), **self._extra_stats()}
-
     def _extra_stats(self) -> Dict[str, float]:
-        """Counters of this replica beside the engine's (reported with them), and its placement."""
-        return {**self._first_output, **self._placement}
+        """This pool role's own counters by name (WorkerStats.counters); none for the unified pool."""
+        return {}
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(self.replica_id, self.engine.context_len, self.engine.vocab_size)

@@ -124,15 +124,18 @@ def test_replica_status_shows_the_gpus_each_replica_reported():
     tensor_parallel_size with its stats) reach the admin API's ReplicaStatus; None until it reports."""
     from cluster import membership
     from cluster.scaling.loop import PoolScaler
+    from cluster.workers.stats import WorkerStats
+    from engine.outputs import EngineStats
 
     deployment_id = SimpleNamespace(app_name="unit-gpus", name="Worker")
     membership.publish(deployment_id, ids=frozenset({"r-tp4", "r-new"}))
-    reports = {"r-tp4": {"running": 2.0, "gpus": 4.0, "tensor_parallel_size": 4.0}}
+    engine = EngineStats(**{**dict.fromkeys(EngineStats.__dataclass_fields__, 0), "running": 2})
+    reports = {"r-tp4": WorkerStats(engine, capacity=None, gpus=4.0, tensor_parallel_size=4)}
     pool = SimpleNamespace(  # the router deployment's pool as the scaler reads it (ScaledPool)
         handle=None,
         deployment_id=deployment_id,
         routed_workers=dict,
-        engine_reports=lambda: reports,
+        worker_stats=lambda: reports,
         resync_members=lambda: None,
     )
     scaler = PoolScaler(scaling_config(ClusterArgs(workers=2)), {"unified": pool}, "unit-gpus")

@@ -128,7 +128,7 @@ def _bare_worker(replica_id: str):
     worker = Worker.__new__(Worker)
     worker.replica_id, worker.engine = replica_id, _RecordingEngine()
     worker._channels, worker._early_aborts = {}, collections.OrderedDict()
-    worker._served, worker._first_output = collections.deque(), {"first_output_s": 0.0, "first_output_requests": 0}
+    worker._served, worker._first_output_s, worker._first_output_requests = collections.deque(), 0.0, 0
     return worker
 
 
