@@ -323,11 +323,6 @@ class _Validated(_ClusterFields):
                 "core_process is not supported with mode=disaggregated yet: the KV transfer "
                 "registers the engine's KV pool from the worker's own process"
             )
-        if self.mode == "disaggregated" and self.tensor_parallel_size > 1:
-            raise ValueError(
-                "tensor_parallel_size > 1 is not supported with mode=disaggregated yet: the KV transfer moves "
-                "the pages of one process's KV pool, which holds rank 0's heads only"
-            )
         if self.admin_api_key is not None and self.admin_api_key == self.api_key:
             raise ValueError("admin_api_key must differ from api_key")
         return self

@@ -328,6 +328,13 @@ class Engine:
     def tree_cache(self) -> Any:
         return self.local_core.tree_cache
 
+    def call_other_ranks(self, module: str, function: str, *args: Any) -> Any:
+        """Tensor parallelism, core in this process: every rank but rank 0 runs `module.function(runner, *args)`
+        in its step loop, between the steps around it (engine.parallel.step.send_call). Returns at once a
+        concurrent Future of the broadcast (it fails when a rank is dead); calls keep their order."""
+        runner = self.runner
+        return self.core.post_in_loop(lambda: runner.call_other_ranks(module, function, args))
+
     def _call(self, fn: Callable[[], Any]) -> Any:
         """fn() run in the core's loop thread between two steps (tests look at the scheduler so)."""
         return self.core.run_in_loop(fn)

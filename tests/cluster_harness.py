@@ -150,11 +150,12 @@ SHARED_SERVE = SharedServe(
         "test_admission.py",
         "test_disaggregated.py",
         "test_disaggregated_admin.py",
+        "test_disaggregated_tp.py",
     )
 )
 """Ray and Serve with HAProxy in front for these modules, run one after another (tests/cluster/conftest.py
 orders them so): the pool-scaling tests' application (pools_harness.py), test_admission.py's, then the
-disaggregated one (disagg_harness.py)."""
+disaggregated one (disagg_harness.py), then its tensor-parallel variant (test_disaggregated_tp.py)."""
 
 
 def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.25):

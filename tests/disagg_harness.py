@@ -11,7 +11,8 @@ soon). test_disaggregated.py runs first on the fresh cluster and leaves one repl
 tests settle each pool's size before they scale it.
 """
 
-from pools_harness import ADMIN, ADMIN_KEY, API_KEY, USER  # noqa: F401 - ADMIN and USER are used by the test modules
+from cluster_harness import router_stats
+from pools_harness import ADMIN, ADMIN_KEY, API_KEY, USER  # noqa: F401 - USER is used by the test modules
 
 APP = "radixserve-pd"
 MODEL = "SmolLM2-135M-Instruct"
@@ -37,3 +38,29 @@ def args():
         api_key=API_KEY,
         admin_api_key=ADMIN_KEY,
     )
+
+
+def pools(http) -> dict:
+    """{pool: {worker id: its /router/stats entry}} of the cluster behind `http`."""
+    out: dict = {}
+    for wid, w in router_stats(http, ADMIN)["workers"].items():
+        out.setdefault(w["pool"], {})[wid] = w
+    return out
+
+
+def all_idle_and_clean(http) -> bool:
+    """Every live worker's last report: nothing in flight at the router, running, waiting or handed
+    over, and every KV slot free or held by its radix cache."""
+    by_pool = pools(http)
+    if set(by_pool) != {"prefill", "decode"}:
+        return False
+    for workers in by_pool.values():
+        for w in workers.values():
+            e = w["engine"]
+            if w["in_flight"] or not e or e["running"] or e["waiting"] or e.get("handoff_in_flight", 0):
+                return False
+            if e.get("early_prefill_held", 0):  # a prompt the ingress started, not claimed or dropped yet
+                return False
+            if e["kv_free_tokens"] + e["kv_evictable_tokens"] != e["kv_total_tokens"]:
+                return False
+    return True

@@ -242,7 +242,51 @@ class TransferHandle:
     """Backend-private state (native handles, works)."""
 
 
-class KVTransferBackend(abc.ABC):
+class Waitable:
+    """`wait` and `wait_sync` over a transfer endpoint's `poll` and `release` (KVTransferBackend, and
+    kv_transfer.ranked.RankedTransfer, which drives one backend per tensor-parallel rank)."""
+
+    def poll(self, handle: Any) -> TransferStatus:
+        raise NotImplementedError
+
+    def release(self, handle: Any) -> None:
+        raise NotImplementedError
+
+    async def wait(self, handle: Any, timeout_s: float) -> None:
+        """Poll `handle` until DONE without blocking the event loop; ALWAYS releases it (also when
+        the awaiting task is cancelled). Polls back off from 0 to 0.2 ms between tries.
+
+        Raises KVTransferError if it FAILED, KVTransferTimeout if not done within `timeout_s`.
+        """
+        deadline = time.monotonic() + timeout_s
+        delay = 0.0
+        try:
+            while True:
+                status = self.poll(handle)
+                if status is TransferStatus.DONE:
+                    return
+                if status is TransferStatus.FAILED:
+                    raise KVTransferError(
+                        f"transfer {handle.transfer_id!r} ({handle.role}, peer {handle.peer!r}) failed: {handle.error}"
+                    )
+                if time.monotonic() >= deadline:
+                    raise KVTransferTimeout(
+                        f"transfer {handle.transfer_id!r} ({handle.role}, peer "
+                        f"{handle.peer!r}) not done after {timeout_s:.3g} s"
+                    )
+                await asyncio.sleep(delay)
+                # A handoff's transfer takes 0.1-10 ms: a late poll adds straight to the request's TTFT,
+                # so the back-off stops at 0.2 ms (a poll costs ~10 us of this event loop).
+                delay = min(max(2 * delay, 5e-5), 2e-4)
+        finally:
+            self.release(handle)
+
+    def wait_sync(self, handle: Any, timeout_s: float) -> None:
+        """`wait` for callers without an event loop (benchmarks, tests)."""
+        asyncio.run(self.wait(handle, timeout_s))
+
+
+class KVTransferBackend(Waitable, abc.ABC):
     """Moves KV pages between two replicas' registered buffers.
 
     Contract: `__init__` registers `buffers` once (they must outlive the backend); `info()` is
@@ -360,39 +404,6 @@ class KVTransferBackend(abc.ABC):
 
     def _close(self) -> None:
         """Backend resources left after every handle and peer is gone (close() calls it once)."""
-
-    async def wait(self, handle: TransferHandle, timeout_s: float) -> None:
-        """Poll `handle` until DONE without blocking the event loop; ALWAYS releases it (also when
-        the awaiting task is cancelled). Polls back off from 0 to 0.2 ms between tries.
-
-        Raises KVTransferError if it FAILED, KVTransferTimeout if not done within `timeout_s`.
-        """
-        deadline = time.monotonic() + timeout_s
-        delay = 0.0
-        try:
-            while True:
-                status = self.poll(handle)
-                if status is TransferStatus.DONE:
-                    return
-                if status is TransferStatus.FAILED:
-                    raise KVTransferError(
-                        f"transfer {handle.transfer_id!r} ({handle.role}, peer {handle.peer!r}) failed: {handle.error}"
-                    )
-                if time.monotonic() >= deadline:
-                    raise KVTransferTimeout(
-                        f"transfer {handle.transfer_id!r} ({handle.role}, peer "
-                        f"{handle.peer!r}) not done after {timeout_s:.3g} s"
-                    )
-                await asyncio.sleep(delay)
-                # A handoff's transfer takes 0.1-10 ms: a late poll adds straight to the request's TTFT,
-                # so the back-off stops at 0.2 ms (a poll costs ~10 us of this event loop).
-                delay = min(max(2 * delay, 5e-5), 2e-4)
-        finally:
-            self.release(handle)
-
-    def wait_sync(self, handle: TransferHandle, timeout_s: float) -> None:
-        """`wait` for callers without an event loop (benchmarks, tests)."""
-        asyncio.run(self.wait(handle, timeout_s))
 
     # ---- helpers for subclasses
     def _peer(self, peer: str) -> PeerInfo:

@@ -10,6 +10,7 @@ if TYPE_CHECKING:  # the types stay light to import: the ingress imports them, t
     import numpy as np
 
     from cluster.kv_transfer import PeerInfo
+    from cluster.kv_transfer.ranked import RankedPeerInfo
     from engine.scheduler.handoff import PrefillHandoff
 
 
@@ -36,8 +37,9 @@ class TransferTarget:
 
     replica_id: str
     """The prefill replica the decode side expects to write (refused by any other)."""
-    peer: PeerInfo
-    """The decode replica's transfer endpoint."""
+    peer: PeerInfo | RankedPeerInfo
+    """The decode replica's transfer endpoint (with tensor parallelism one PeerInfo per rank: each rank writes
+    its own heads' pages into the same rank's pool there)."""
     prefix_len: int
     """Positions [0, prefix_len) are cached on the decode side; [prefix_len, prompt_len) are written."""
     dst_pages: np.ndarray

@@ -3,11 +3,12 @@ pool, and the message that carries a PrefillHandoff with the KV."""
 
 import dataclasses
 import pickle
-from typing import Any
+from typing import Any, Union
 
 import numpy as np
 
 from cluster.kv_transfer import MAX_MESSAGE_BYTES, PeerInfo, kv_pool_buffers, make_backend
+from cluster.kv_transfer.ranked import RankedPeerInfo, RankedTransfer
 
 
 def handoff_message(handoff: Any) -> bytes:
@@ -25,10 +26,12 @@ class KVEndpoint:
     def _init_transfer(self, role: str, backend: str, timeout_s: float) -> None:
         runner = self.engine.runner
         self.transfer_timeout_s = timeout_s
-        self.transfer = make_backend(
-            backend, f"{role}-{self.replica_id}", kv_pool_buffers(runner.kv_pool), self.engine.config.page_size
-        )
+        name, page_size = f"{role}-{self.replica_id}", self.engine.config.page_size
+        if self.engine.config.tensor_parallel_size > 1:  # one backend per rank, each over its own heads' pages
+            self.transfer = RankedTransfer(backend, name, self.engine, page_size)
+        else:
+            self.transfer = make_backend(backend, name, kv_pool_buffers(runner.kv_pool), page_size)
 
-    async def kv_info(self) -> PeerInfo:
-        """This replica's transfer endpoint (PeerInfo)."""
+    async def kv_info(self) -> Union[PeerInfo, RankedPeerInfo]:
+        """This replica's transfer endpoint (PeerInfo; with tensor parallelism a RankedPeerInfo, one per rank)."""
         return self.transfer.info()

@@ -178,13 +178,6 @@ class EngineCore:
 
     def _add(self, msg: AddRequest) -> None:
         reqs = self._make_group(msg)
-        if msg.handoff is not None and self.config.tensor_parallel_size > 1:
-            # A handoff moves KV pages of this process's pool, which holds rank 0's heads only.
-            self._fail(
-                reqs,
-                InvalidRequestError("disaggregated prefill/decode is not supported with tensor_parallel_size > 1"),
-            )
-            return
         if grammar_key(msg.params) is None:
             self._enqueue(reqs)
             return

@@ -45,10 +45,15 @@ class ThreadCore(CoreClient):
 
     def run_in_loop(self, fn: Callable[[], Any], timeout: float = 60.0) -> Any:
         """fn() run by the loop thread between two steps; its result (tests inspect the scheduler so)."""
+        return self.post_in_loop(fn).result(timeout=timeout)
+
+    def post_in_loop(self, fn: Callable[[], Any]) -> Future:
+        """fn() to be run by the loop thread between two steps, after the messages sent before it; returns at
+        once with the Future of its result."""
         self.raise_if_dead()
         fut: Future = Future()
         self._inbox.put(_RunInLoop(fn, fut))
-        return fut.result(timeout=timeout)
+        return fut
 
     def shutdown(self) -> None:
         if self._thread.is_alive():

@@ -98,6 +98,11 @@ class TPGroup:
         if processes is not None:
             processes.on_failure = self._abort_compute
 
+    @property
+    def store_port(self) -> int:
+        """Port of rank 0's TCPStore on 127.0.0.1: other services of the group's ranks may meet there too."""
+        return self._store.port
+
     def enable_peer_all_reduce(self, dtype: torch.dtype) -> bool:
         """CUDA: route small all-reduces of `dtype` through peer memory from now on (a collective: every rank
         calls it at the same point). False, with a warning, where the GPUs cannot map each other's memory

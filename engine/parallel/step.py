@@ -15,19 +15,24 @@ rank's KV pool has the same slots (fewer heads). The logit rows tell the other r
 calls rank 0 makes after the forward, in order — the prompt-logprob segments, then the sampled rows — so
 that they join the same vocabulary all-gathers. Only rank 0 samples: the other ranks never need the tokens,
 which come back to them as the next step's input ids.
+
+Between two steps rank 0 may also send a call (`send_call`): `module.function(runner, *args)` run by every
+other rank in its step loop, in order with the steps (the cluster's per-rank KV transfer endpoints are
+driven so). Its arguments are pickled: calls are control messages, rare next to steps.
 """
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Any, List, Tuple, Union
 
 import torch
 
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.parallel.group import TPGroup
 
-OP_STEP, OP_STOP = 1, 2
+OP_STEP, OP_STOP, OP_CALL = 1, 2, 3
 _HEADER = 7
 _MODES = (ForwardMode.EXTEND, ForwardMode.DECODE)
 
@@ -44,6 +49,15 @@ class StepInputs:
     """(first row, rows) of the hidden states whose logits rank 0 computes for prompt logprobs, in order."""
     num_sampled: int
     """Rank 0 then computes the logits of fb.last_token_rows[:num_sampled] (0: none)."""
+
+
+@dataclass(frozen=True)
+class RankCall:
+    """A call rank 0 asks every other rank to make between two steps: `module.function(runner, *args)`."""
+
+    module: str
+    function: str
+    args: Tuple[Any, ...]
 
 
 def send_step(
@@ -81,13 +95,28 @@ def send_stop(group: TPGroup) -> None:
     group.broadcast_control(header)
 
 
-def receive_step(group: TPGroup) -> Optional[StepInputs]:
-    """A follower rank: wait for rank 0's next step; None when rank 0 stops the group."""
+def send_call(group: TPGroup, call: RankCall) -> None:
+    """Rank 0: have every other rank make `call` after the steps sent before it."""
+    data = pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL)
+    header = torch.zeros(_HEADER, dtype=torch.int64)
+    header[0], header[3] = OP_CALL, len(data)
+    payload = torch.zeros((len(data) + 7) // 8, dtype=torch.int64)
+    payload.view(torch.uint8)[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    group.broadcast_control(header)
+    group.broadcast_control(payload)
+
+
+def receive_step(group: TPGroup) -> Union[StepInputs, RankCall, None]:
+    """A follower rank: wait for rank 0's next step (or call); None when rank 0 stops the group."""
     header = torch.empty(_HEADER, dtype=torch.int64)
     group.broadcast_control(header)
     op, mode, bs, packed_len, num_edits, num_segments, num_sampled = header.tolist()
     if op == OP_STOP:
         return None
+    if op == OP_CALL:
+        payload = torch.empty((packed_len + 7) // 8, dtype=torch.int64)
+        group.broadcast_control(payload)
+        return pickle.loads(payload.view(torch.uint8)[:packed_len].numpy().tobytes())
     if op != OP_STEP:
         raise RuntimeError(f"unknown tensor-parallel step op {op}")
     payload = torch.empty(packed_len + 3 * num_edits + 2 * num_segments, dtype=torch.int64)

@@ -10,6 +10,7 @@ stops the group, when a collective with rank 0 fails (exit code 1), or when rank
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import pickle
@@ -21,7 +22,7 @@ import torch
 
 from engine.models.source import resolve_model
 from engine.parallel.launch import FollowerSpec, exit_with_parent, join_group
-from engine.parallel.step import StepInputs, receive_step
+from engine.parallel.step import RankCall, StepInputs, receive_step
 from engine.runner.model_runner import ModelRunner, resolve_device
 
 logger = logging.getLogger(__name__)
@@ -33,7 +34,17 @@ def follow(runner: ModelRunner) -> None:
         step = receive_step(runner.tp)
         if step is None:
             return
-        run_step(runner, step)
+        if isinstance(step, RankCall):
+            run_call(runner, step)
+        else:
+            run_step(runner, step)
+
+
+def run_call(runner: ModelRunner, call: RankCall) -> None:
+    """One of rank 0's calls (engine.parallel.step.send_call): `call.module.call.function(runner, *call.args)`.
+    It runs in the step loop, so it must return quickly (hand long work to a thread of its own); what it
+    raises ends this rank."""
+    getattr(importlib.import_module(call.module), call.function)(runner, *call.args)
 
 
 @torch.inference_mode()

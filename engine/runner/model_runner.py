@@ -20,7 +20,7 @@ KV pool has the same slots. The ranks agree on the pool's size (the smallest any
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -365,6 +365,17 @@ class ModelRunner:
 
         edits = self.req_to_token_pool.take_edits()
         send_step(self.tp, fb, edits, [(start, n) for _, start, n in prompt_rows], num_sampled)
+
+    def call_other_ranks(self, module: str, function: str, args: Tuple[Any, ...]) -> None:
+        """Rank 0, in the engine loop between two steps: every other rank runs `module.function(runner, *args)`
+        in its step loop, after the steps sent so far (engine.parallel.step.send_call). Raises
+        TensorParallelError when a rank is dead."""
+        if self.tp is None:
+            raise RuntimeError("call_other_ranks needs a tensor-parallel engine")
+        from engine.parallel.step import RankCall, send_call  # noqa: PLC0415  (TP only)
+
+        with self.tp.guard():
+            send_call(self.tp, RankCall(module, function, tuple(args)))
 
     def close(self) -> None:
         """Rank 0: stop the other ranks; every rank: leave the group. A no-op without tensor parallelism;

@@ -51,13 +51,18 @@ def test_engine_options_follow_engine_config():
         ({"model": "/no/such/model"}, "not found"),
         ({"dtype": "int3"}, "dtype"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
-        ({"mode": "disaggregated", "tensor_parallel_size": 2}, "tensor_parallel_size > 1 is not supported"),
     ],
 )
 def test_invalid_config_fails_fast(bad, where):
     with pytest.raises(ValidationError) as info:
         ClusterArgs.model_validate(bad)
     assert where in str(info.value)
+
+
+def test_disaggregated_pools_share_the_tensor_parallel_size():
+    """One tensor_parallel_size for both pools: prefill and decode replicas hand KV over rank to rank."""
+    args = ClusterArgs(mode="disaggregated", tensor_parallel_size=2)
+    assert args.engine_options()["tensor_parallel_size"] == 2
 
 
 def test_builder_wires_three_deployments():

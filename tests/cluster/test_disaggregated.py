@@ -20,8 +20,9 @@ import pytest
 ray = pytest.importorskip("ray")
 pytest.importorskip("nixl_cu13._api")
 
-from cluster_harness import abort_storm, router_stats, wait_for as _wait  # noqa: E402
-from disagg_harness import ADMIN, APP, MODEL, PAGE, USER  # noqa: E402
+from cluster_harness import abort_storm, wait_for as _wait  # noqa: E402
+from disagg_harness import APP, MODEL, PAGE, USER  # noqa: E402
+from disagg_harness import all_idle_and_clean as _all_idle_and_clean, pools as _pools  # noqa: E402
 from engine_harness import PROMPTS, make_engine  # noqa: E402
 
 LONG_PROMPT = " ".join(f"item {i} is filed under section {i % 7}." for i in range(90))  # ~900 tokens
@@ -43,31 +44,6 @@ def reference():
     engine = make_engine(page_size=PAGE)
     yield engine
     engine.shutdown()
-
-
-def _pools(http) -> dict:
-    out: dict = {}
-    for wid, w in router_stats(http, ADMIN)["workers"].items():
-        out.setdefault(w["pool"], {})[wid] = w
-    return out
-
-
-def _all_idle_and_clean(http) -> bool:
-    """Every live worker's last report: nothing in flight at the router, running, waiting or handed
-    over, and every KV slot free or held by its radix cache."""
-    pools = _pools(http)
-    if set(pools) != {"prefill", "decode"}:
-        return False
-    for workers in pools.values():
-        for w in workers.values():
-            e = w["engine"]
-            if w["in_flight"] or not e or e["running"] or e["waiting"] or e.get("handoff_in_flight", 0):
-                return False
-            if e.get("early_prefill_held", 0):  # a prompt the ingress started, not claimed or dropped yet
-                return False
-            if e["kv_free_tokens"] + e["kv_evictable_tokens"] != e["kv_total_tokens"]:
-                return False
-    return True
 
 
 def _completion(http, prompt: str, max_tokens: int = 16, **extra) -> dict:

@@ -290,7 +290,7 @@ def test_pool_groups_follow_the_values(helm):
         (["--set", "pools.unified.tensorParallelSize=0"], "/pools/unified/tensorParallelSize': minimum: got 0, want 1"),
         (
             ["--set", "mode=disaggregated", "--set", "pools.decode.tensorParallelSize=2"],
-            "pools.decode.tensorParallelSize (2): tensor parallelism is not supported with mode: disaggregated",
+            "pools.prefill.tensorParallelSize (1) and pools.decode.tensorParallelSize (2) must be equal",
         ),
         (
             ["--set", "pools.unified.tensorParallelSize=2", "--set", "replica.numGpus=2"],
@@ -474,6 +474,27 @@ def test_tensor_parallel_pool_puts_each_replica_on_one_pod(helm, tmp_path):
         assert need["GPU"] == 4
         offer = autoscaler_node_types(rs)["unified"]["resources"]
         assert offer["GPU"] == gpus and replicas_per_node(need, offer) == per_pod
+
+
+def test_disaggregated_tensor_parallel_pools_render_with_equal_sizes(helm):
+    """mode: disaggregated with TP=2 prefill and decode (the CI values: 2 prefill replicas per pod, 1 decode):
+    each pool's pods request 2 GPUs per replica, ClusterArgs get tensor_parallel_size=2 and num_gpus=2, and
+    the RayService validates."""
+    (rs,) = by_kind(
+        render(
+            helm,
+            *("-f", str(CI_VALUES["disaggregated"])),
+            *("--set", "pools.prefill.tensorParallelSize=2", "--set", "pools.decode.tensorParallelSize=2"),
+        )
+    )["RayService"]
+    validate_rayservice(rs)
+    groups = {g["groupName"]: g for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    for pool, gpus in (("prefill", "4"), ("decode", "2")):
+        res = groups[pool]["template"]["spec"]["containers"][0]["resources"]
+        assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == gpus
+        assert groups[pool]["rayStartParams"]["num-gpus"] == gpus
+    args = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]
+    assert (args["mode"], args["tensor_parallel_size"], args["num_gpus"]) == ("disaggregated", 2, 2)
 
 
 def test_kuberay_manifest_is_valid_and_builds_the_app():

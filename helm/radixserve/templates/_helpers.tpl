@@ -61,7 +61,7 @@ unified: Worker
 
 {{/* The tensor-parallel size of the mode's pools (ClusterArgs tensor_parallel_size, one for all
      pools): unified's, or prefill's in disaggregated mode (_validate.tpl keeps prefill and decode
-     at 1 there, as ClusterArgs does). */}}
+     equal there). */}}
 {{- define "radixserve.tensorParallelSize" -}}
 {{- $pool := ternary "prefill" "unified" (eq .Values.mode "disaggregated") }}
 {{- int (index .Values.pools $pool).tensorParallelSize }}

@@ -4,12 +4,16 @@ Included once, at the top of rayservice.yaml.
 */}}
 {{- define "radixserve.validate" -}}
 {{- $v := .Values }}
+{{- if eq $v.mode "disaggregated" }}
+{{- $prefillTp := int $v.pools.prefill.tensorParallelSize }}
+{{- $decodeTp := int $v.pools.decode.tensorParallelSize }}
+{{- if ne $prefillTp $decodeTp }}
+{{- fail (printf "pools.prefill.tensorParallelSize (%d) and pools.decode.tensorParallelSize (%d) must be equal in mode: disaggregated (ClusterArgs has one tensor_parallel_size: KV moves from each prefill rank to the same decode rank)" $prefillTp $decodeTp) }}
+{{- end }}
+{{- end }}
 {{- range $pool, $deployment := include "radixserve.pools" . | fromYaml }}
 {{- $p := index $v.pools $pool }}
 {{- $tp := int $p.tensorParallelSize }}
-{{- if and (eq $v.mode "disaggregated") (gt $tp 1) }}
-{{- fail (printf "pools.%s.tensorParallelSize (%d): tensor parallelism is not supported with mode: disaggregated yet (ClusterArgs refuses tensor_parallel_size > 1 there: the KV transfer moves one rank's pages); set it to 1, or use mode: unified" $pool $tp) }}
-{{- end }}
 {{- if and (gt $tp 1) (gt (int $v.replica.numGpus) 1) }}
 {{- fail (printf "replica.numGpus (%v) is GPUs per tensor-parallel rank: each rank uses one, so set it to 1 (or 0 for CPU) with pools.%s.tensorParallelSize %d" $v.replica.numGpus $pool $tp) }}
 {{- end }}
