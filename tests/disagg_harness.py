@@ -19,11 +19,11 @@ MODEL = "SmolLM2-135M-Instruct"
 PAGE = 4
 
 
-def args():
-    """The shared cluster's ClusterArgs."""
+def args(**overrides):
+    """The shared cluster's ClusterArgs; `overrides` replace fields (another module's own cluster)."""
     from cluster.config import ClusterArgs
 
-    return ClusterArgs(
+    fields = dict(
         mode="disaggregated",
         prefill_workers=1,
         decode_workers=1,
@@ -38,6 +38,7 @@ def args():
         api_key=API_KEY,
         admin_api_key=ADMIN_KEY,
     )
+    return ClusterArgs(**{**fields, **overrides})
 
 
 def pools(http) -> dict:

@@ -17,7 +17,8 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("nixl_cu13._api")
 
 from cluster_harness import SHARED_SERVE, wait_for  # noqa: E402
-from disagg_harness import ADMIN_KEY, API_KEY, MODEL, PAGE, USER, all_idle_and_clean, pools  # noqa: E402
+from disagg_harness import MODEL, PAGE, USER, all_idle_and_clean, pools  # noqa: E402
+from disagg_harness import args as disagg_args  # noqa: E402
 from engine_harness import PROMPTS, make_engine  # noqa: E402
 
 APP = "radixserve-pd-tp2"
@@ -27,24 +28,7 @@ CASES = [PROMPTS[0], PROMPTS[1], PROMPTS[0] + " Paris, and the capital of Italy 
 
 
 def _args():
-    from cluster.config import ClusterArgs
-
-    return ClusterArgs(
-        mode="disaggregated",
-        prefill_workers=1,
-        decode_workers=1,
-        tensor_parallel_size=2,
-        kv_transfer="nixl",
-        policy="round_robin",
-        num_cpus=0.5,
-        max_total_tokens=2048,
-        page_size=PAGE,
-        report_interval_s=0.25,
-        kv_transfer_timeout_s=30,
-        health_check_period_s=1.0,
-        api_key=API_KEY,
-        admin_api_key=ADMIN_KEY,
-    )
+    return disagg_args(tensor_parallel_size=2, max_total_tokens=2048, kv_transfer_timeout_s=30)
 
 
 @pytest.fixture(scope="module")
