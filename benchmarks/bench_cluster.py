@@ -106,15 +106,15 @@ INGRESS_COUNTERS = ("route_rpc_s", "route_rpc_calls", "first_message_s", "first_
 
 
 def replica_counters(base_url: str) -> Dict[str, float]:
-    """From /router/stats: the replicas' handoff counters (cluster.workers.handoff.HANDOFF_COUNTERS, zero in
+    """From /router/stats: the replicas' handoff counters (cluster.workers.stats.HandoffCounters, zero in
     unified mode) and first-output counters, summed over replicas, and the ingress's latency sums over every
     ingress replica (the router's totals)."""
-    from cluster.workers.handoff import HANDOFF_COUNTERS
+    from cluster.workers.stats import HandoffCounters
 
     stats = httpx.get(f"{base_url}/router/stats", timeout=30).json()
     out = {
         k: sum(w["engine"].get(k, 0.0) for w in stats["workers"].values())
-        for k in HANDOFF_COUNTERS + FIRST_OUTPUT_COUNTERS
+        for k in HandoffCounters.keys() + FIRST_OUTPUT_COUNTERS
     }
     out.update({k: stats["ingress"][k] for k in INGRESS_COUNTERS})
     return out
@@ -141,7 +141,7 @@ def _ms(value: float | None) -> str:
 
 def handoff_breakdown(before: Dict[str, float], after: Dict[str, float]) -> Dict[str, float]:
     """Mean milliseconds per handoff of each stage over one workload ({} when none): reserve and ready per
-    handed-over request, the call's stages per returned call (cluster.workers.handoff.HANDOFF_COUNTERS)."""
+    handed-over request, the call's stages per returned call (cluster.workers.stats.HandoffCounters)."""
     n = after.get("handoff_requests", 0) - before.get("handoff_requests", 0)
     calls = after.get("handoff_calls", 0) - before.get("handoff_calls", 0)
     if not n or not calls:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Dict, List, Optional, Set
 import ray
 from ray import serve
 
-from cluster.workers.stats import WorkerStats
+from cluster.workers.stats import RoleCounters, WorkerStats
 
 if TYPE_CHECKING:  # pragma: no cover
     from engine.memory.radix_cache import CacheEvent
@@ -188,12 +188,12 @@ class WorkerBase:
             tensor_parallel_size=config.tensor_parallel_size,
             first_output_s=self._first_output_s,
             first_output_requests=self._first_output_requests,
-            counters=self._extra_stats(),
+            role_counters=self._role_counters(),
         )
 
-    def _extra_stats(self) -> Dict[str, float]:
-        """This pool role's own counters by name (WorkerStats.counters); none for the unified pool."""
-        return {}
+    def _role_counters(self) -> Optional[RoleCounters]:
+        """This pool role's own counters (WorkerStats.role_counters); None for the unified pool."""
+        return None
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(self.replica_id, self.engine.context_len, self.engine.vocab_size)

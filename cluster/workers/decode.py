@@ -19,8 +19,9 @@ from typing import Any, Dict, List, Optional
 from cluster.kv_transfer import KVTransferTimeout, PeerInfo
 from cluster.rpc import awaited, is_dead, unwrap
 from cluster.workers.base import WorkerBase, WorkerItem, WrongReplicaError
-from cluster.workers.handoff import HANDOFF_COUNTERS, PREFILL_CALL_TIMEOUT_S, PrefillFailedError, TransferTarget
+from cluster.workers.handoff import PREFILL_CALL_TIMEOUT_S, PrefillFailedError, TransferTarget
 from cluster.workers.kv_endpoint import KVEndpoint
+from cluster.workers.stats import HandoffCounters
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
@@ -37,14 +38,15 @@ class DecodeWorker(KVEndpoint, WorkerBase):
         self.prefill_pool = prefill
         """DeploymentHandle of the prefill pool (calls pinned by session_id)."""
         self._peers: Dict[str, PeerInfo] = {}
-        self._handoff = dict.fromkeys(HANDOFF_COUNTERS, 0.0)
+        self._handoff = HandoffCounters()
+        """Sums so far, replaced (never mutated) on this replica's event loop; reported as they are."""
         self._calls: set = set()
         """Prefill calls not yet returned."""
         self._pumps: Dict[str, "asyncio.Task"] = {}
         """rid → the task moving its engine stream into its ingress's channel."""
 
-    def _extra_stats(self) -> Dict[str, float]:
-        return {**super()._extra_stats(), **self._handoff}
+    def _role_counters(self) -> HandoffCounters:
+        return self._handoff
 
     async def submit_disaggregated(
         self,
@@ -66,7 +68,7 @@ class DecodeWorker(KVEndpoint, WorkerBase):
         arrived = time.perf_counter()
 
         async def remote_prefill(reservation):
-            self._handoff["handoff_reserve_s"] += time.perf_counter() - arrived
+            self._handoff = self._handoff.plus(reserve_s=time.perf_counter() - arrived)
             return await self._remote_prefill(input_ids, params, rid, prefill_id, reservation, early_key)
 
         async def pump() -> None:
@@ -141,8 +143,7 @@ class DecodeWorker(KVEndpoint, WorkerBase):
             raise PrefillFailedError(
                 f"remote prefill on {prefill_id} failed: {cause!r}", prefill_id, is_dead(cause)
             ) from None
-        self._handoff["handoff_ready_s"] += time.perf_counter() - called
-        self._handoff["handoff_requests"] += 1
+        self._handoff = self._handoff.plus(ready_s=time.perf_counter() - called, requests=1)
         return handoff
 
     async def _first_of(self, result: "asyncio.Future", arrival: "asyncio.Future", handle) -> Any:
@@ -153,7 +154,7 @@ class DecodeWorker(KVEndpoint, WorkerBase):
         if arrival in done:
             arrival.result()  # raises if the transfer failed or timed out
             if handle.message:
-                self._handoff["handoff_notified"] += 1
+                self._handoff = self._handoff.plus(notified=1)
                 return pickle.loads(handle.message)  # the call returns later (_count_call)
             return (await asyncio.shield(result)).handoff  # shielded: a failure here settles the call first
         handoff = result.result().handoff  # raises if the call failed
@@ -172,15 +173,14 @@ class DecodeWorker(KVEndpoint, WorkerBase):
         if result.cancelled() or result.exception() is not None:
             return
         returned, returned_at, prefilled = time.perf_counter(), time.time(), result.result()
-        for key, seconds in (
-            ("handoff_call_s", returned - called),
-            ("handoff_prefill_compute_s", prefilled.compute_s),
-            ("handoff_prefill_transfer_s", prefilled.transfer_s),
-            ("handoff_call_out_s", prefilled.entered_at - called_at),
-            ("handoff_call_back_s", returned_at - prefilled.left_at),
-        ):
-            self._handoff[key] += seconds
-        self._handoff["handoff_calls"] += 1
+        self._handoff = self._handoff.plus(
+            calls=1,
+            call_s=returned - called,
+            prefill_compute_s=prefilled.compute_s,
+            prefill_transfer_s=prefilled.transfer_s,
+            call_out_s=prefilled.entered_at - called_at,
+            call_back_s=returned_at - prefilled.left_at,
+        )
 
     async def _settle(self, result: "asyncio.Future") -> None:
         """Wait (bounded) until a cancelled prefill call has finished, whatever its outcome."""

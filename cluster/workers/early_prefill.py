@@ -16,19 +16,19 @@ its engine request always ends; started prompts never hold more than `limit_toke
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+from cluster.workers.stats import EarlyPrefillCounters
 
 if TYPE_CHECKING:
     from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("ray.serve")
 
-COUNTERS = ("early_prefill_started", "early_prefill_claimed", "early_prefill_dropped", "early_prefill_skipped")
-"""Counts of prompts started early; claimed by a decode replica's prefill call; dropped unclaimed
-(forgotten by the ingress, or expired); not started because started prompts held `limit_tokens`."""
 _ENDED_TTL_S = 3600.0
 
 
@@ -55,11 +55,13 @@ class StartedPrompts:
         self._ended: Dict[str, float] = {}
         """Keys claimed or dropped → time.monotonic()."""
         self._held_tokens = 0
-        self.counters = dict.fromkeys(COUNTERS, 0)
+        self._counts = EarlyPrefillCounters()
+        """Sums so far (its `held` stays 0: stats() sets it)."""
         self._sweeper: Optional["asyncio.Future"] = None
 
-    def stats(self) -> Dict[str, float]:
-        return {**self.counters, "early_prefill_held": len(self._started)}
+    def stats(self) -> EarlyPrefillCounters:
+        """The counters now, `held` being the prompts started and neither claimed nor dropped."""
+        return dataclasses.replace(self._counts, held=len(self._started))
 
     def start(self, input_ids: List[int], params: SamplingParams, key: str) -> None:
         """Start computing the prompt under `key` (returns at once); ignored for a key seen before."""
@@ -70,13 +72,13 @@ class StartedPrompts:
         # full too, nothing would move until they expire: the rest of the pool stays for prompts started
         # by a claim (beyond the limit, this one starts when its claim comes, as with early_prefill off).
         if self._held_tokens + len(input_ids) > self.limit_tokens:
-            self.counters["early_prefill_skipped"] += 1
+            self._counts = self._counts.plus(skipped=1)
             return
         task = asyncio.ensure_future(self.engine.prefill_for_handoff(input_ids, params, rid=key))
         task.add_done_callback(_retrieve)
         self._started[key] = StartedPrompt(task, key, (input_ids, params), time.monotonic())
         self._held_tokens += len(input_ids)
-        self.counters["early_prefill_started"] += 1
+        self._counts = self._counts.plus(started=1)
         if self._sweeper is None or self._sweeper.done():
             self._sweeper = asyncio.ensure_future(self._sweep_loop())
 
@@ -90,7 +92,7 @@ class StartedPrompts:
             logger.warning("prompt started under %s differs from its prefill call's: computed anew", key)
             self._drop(started)
             return None
-        self.counters["early_prefill_claimed"] += 1
+        self._counts = self._counts.plus(claimed=1)
         return started
 
     def forget(self, key: str) -> None:
@@ -108,7 +110,7 @@ class StartedPrompts:
 
     def _drop(self, started: StartedPrompt) -> None:
         """Free an unclaimed prompt's engine request (computing: aborted; done: its hold released)."""
-        self.counters["early_prefill_dropped"] += 1
+        self._counts = self._counts.plus(dropped=1)
         if not started.task.done():
             started.task.cancel()
         elif not started.task.cancelled() and started.task.exception() is None:

@@ -1,5 +1,6 @@
-"""The KV handoff between a prefill and a decode replica: what crosses between them and the counters the decode
-side keeps (docs/disaggregation.md). The transfer endpoint both sides own is workers/kv_endpoint.py."""
+"""The KV handoff between a prefill and a decode replica: what crosses between them (docs/disaggregation.md).
+The decode side's counters are workers/stats.HandoffCounters; the transfer endpoint both sides own is
+workers/kv_endpoint.py."""
 
 from __future__ import annotations
 
@@ -65,24 +66,3 @@ class PrefillResult:
     """Wall clock (time.time()) when the call started and ended on the prefill replica: with the decode
     side's own clock they split the call's transport time into out and back (exact on one host, to NTP
     accuracy across hosts)."""
-
-
-HANDOFF_COUNTERS = (
-    "handoff_requests",
-    "handoff_notified",
-    "handoff_reserve_s",
-    "handoff_ready_s",
-    "handoff_calls",
-    "handoff_call_s",
-    "handoff_prefill_compute_s",
-    "handoff_prefill_transfer_s",
-    "handoff_call_out_s",
-    "handoff_call_back_s",
-)
-"""Decode replicas' handoff counters (sums, in the stats they report). Per successful handoff
-(handoff_requests): request arrival → pages reserved (reserve); prefill call made → first token and KV
-here (ready: the critical path; handoff_notified counts those that went on when the KV's completion
-notice brought the handoff, before the call returned). Per returned prefill call (handoff_calls): the
-call (compute + transfer + call overheads), and of it the transport out (call made → running on the
-prefill replica) and back (returned there → result here). Overhead over a unified TTFT ≈ reserve +
-ready − compute."""

@@ -9,6 +9,7 @@ from cluster.workers.base import WorkerBase, WrongReplicaError
 from cluster.workers.early_prefill import StartedPrompts
 from cluster.workers.handoff import PrefillResult, TransferTarget
 from cluster.workers.kv_endpoint import KVEndpoint, handoff_message
+from cluster.workers.stats import EarlyPrefillCounters
 from engine.sampling_params import SamplingParams
 
 
@@ -23,8 +24,8 @@ class PrefillWorker(KVEndpoint, WorkerBase):
         self.started = StartedPrompts(self.engine, self.engine.runner.kv_pool.num_slots // 2, transfer_timeout_s)
         """Prompts the ingress started here (early_prefill), at most half the KV pool's tokens."""
 
-    def _extra_stats(self) -> Dict[str, float]:
-        return {**super()._extra_stats(), **self.started.stats()}
+    def _role_counters(self) -> EarlyPrefillCounters:
+        return self.started.stats()
 
     async def start_prefill(
         self, input_ids: List[int], params: SamplingParams, rid: str, key: str, replica_id: str

@@ -7,6 +7,7 @@ import asyncio
 from types import SimpleNamespace
 
 from cluster.workers.early_prefill import StartedPrompts
+from cluster.workers.stats import EarlyPrefillCounters
 from engine.sampling_params import SamplingParams
 
 
@@ -40,19 +41,13 @@ def test_claim_takes_the_started_prompt_once():
         prompts.start([1, 2, 3], params, "k1")
         prompts.start([1, 2, 3], params, "k1")  # a repeat is ignored
         await _settle()
-        assert prompts.engine.started == ["k1"] and prompts.stats()["early_prefill_held"] == 1
+        assert prompts.engine.started == ["k1"] and prompts.stats().held == 1
         started = prompts.claim("k1", [1, 2, 3], SamplingParams(seed=7))
         assert started is not None and prompts.claim("k1", [1, 2, 3], params) is None
         prompts.engine.done.set()
         assert (await started.task).rid == "k1"
         prompts.start([1, 2, 3], params, "k1")  # late: already claimed
-        assert prompts.stats() == dict(
-            early_prefill_started=1,
-            early_prefill_claimed=1,
-            early_prefill_dropped=0,
-            early_prefill_skipped=0,
-            early_prefill_held=0,
-        )
+        assert prompts.stats() == EarlyPrefillCounters(started=1, claimed=1, dropped=0, skipped=0, held=0)
         assert prompts.engine.released == []  # the claimer releases the hold after its transfer
 
     asyncio.run(run())
@@ -65,7 +60,7 @@ def test_claim_with_other_inputs_drops_the_started_prompt():
         await _settle()
         assert prompts.claim("k", [1, 2, 3], SamplingParams(seed=2)) is None  # other params: computed anew
         await _settle()
-        assert prompts.engine.aborted == ["k"] and prompts.counters["early_prefill_dropped"] == 1
+        assert prompts.engine.aborted == ["k"] and prompts.stats().dropped == 1
 
     asyncio.run(run())
 
@@ -83,10 +78,10 @@ def test_forget_aborts_a_running_prompt_and_releases_a_finished_one():
         await _settle()
         prompts.forget("kb")  # computed and held: its hold is released
         prompts.forget("kb")  # idempotent
-        assert prompts.engine.released == ["kb"] and prompts.counters["early_prefill_dropped"] == 2
-        assert prompts.stats()["early_prefill_held"] == 0
+        assert prompts.engine.released == ["kb"] and prompts.stats().dropped == 2
+        assert prompts.stats().held == 0
         prompts.start([2], SamplingParams(), "kb")  # a start after the forget is ignored
-        assert prompts.counters["early_prefill_started"] == 2
+        assert prompts.stats().started == 2
 
     asyncio.run(run())
 
@@ -97,8 +92,8 @@ def test_unclaimed_prompts_expire():
         prompts.engine.done.set()
         prompts.start([1, 2], SamplingParams(), "k")
         await asyncio.sleep(1.5)  # the sweeper wakes every second
-        assert prompts.engine.released == ["k"] and prompts.stats()["early_prefill_held"] == 0
-        assert prompts.counters["early_prefill_dropped"] == 1
+        assert prompts.engine.released == ["k"] and prompts.stats().held == 0
+        assert prompts.stats().dropped == 1
 
     asyncio.run(run())
 
@@ -109,7 +104,7 @@ def test_prompts_beyond_the_limit_start_only_when_claimed():
         prompts.start(list(range(30)), SamplingParams(), "ka")
         prompts.start(list(range(30)), SamplingParams(), "kb")  # 60 > 50 tokens: skipped
         await _settle()
-        assert prompts.engine.started == ["ka"] and prompts.counters["early_prefill_skipped"] == 1
+        assert prompts.engine.started == ["ka"] and prompts.stats().skipped == 1
         assert prompts.claim("kb", list(range(30)), SamplingParams()) is None  # its claim computes it
         assert prompts.claim("ka", list(range(30)), SamplingParams()) is not None
         prompts.start(list(range(40)), SamplingParams(), "kc")  # the claim freed its tokens

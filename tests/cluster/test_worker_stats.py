@@ -8,7 +8,9 @@ import pickle
 import sys
 from types import SimpleNamespace
 
-from cluster.workers.stats import WorkerStats
+import pytest
+
+from cluster.workers.stats import EarlyPrefillCounters, HandoffCounters, WorkerStats
 from engine.outputs import EngineStats
 
 VIEW_KEYS = [
@@ -27,6 +29,29 @@ VIEW_KEYS = [
     "engine",
 ]
 """The keys of one worker in GET /router/stats, in order (the dashboard, tests and benchmarks read them)."""
+
+HANDOFF_KEYS = [
+    "handoff_requests",
+    "handoff_notified",
+    "handoff_reserve_s",
+    "handoff_ready_s",
+    "handoff_calls",
+    "handoff_call_s",
+    "handoff_prefill_compute_s",
+    "handoff_prefill_transfer_s",
+    "handoff_call_out_s",
+    "handoff_call_back_s",
+]
+"""A decode replica's keys in workers[*].engine of GET /router/stats, in order (benchmarks, tests read them)."""
+
+EARLY_PREFILL_KEYS = [
+    "early_prefill_started",
+    "early_prefill_claimed",
+    "early_prefill_dropped",
+    "early_prefill_skipped",
+    "early_prefill_held",
+]
+"""A prefill replica's keys in workers[*].engine of GET /router/stats, in order."""
 
 
 def engine_stats(**fields) -> EngineStats:
@@ -52,24 +77,87 @@ def test_worker_stats_is_torch_and_ray_free():
 def test_as_dict_is_the_flat_shape_the_workers_reported():
     """as_dict is what the replica's stats dict was: the engine's fields, the replica's first-output counters
     and placement, then its role's counters, every value a float (the JSON of /router/stats)."""
-    counters = {"handoff_requests": 4.0, "handoff_reserve_s": 0.125}
-    s = worker_stats(counters=counters)
+    counters = HandoffCounters(requests=4, reserve_s=0.125)
+    s = worker_stats(role_counters=counters)
     legacy = {
         **s.engine.as_dict(),
         "first_output_s": 1.5,
         "first_output_requests": 3,
         "gpus": 2.0,
         "tensor_parallel_size": 2.0,
-        **counters,
+        **dict.fromkeys(HANDOFF_KEYS, 0.0),
+        "handoff_requests": 4,
+        "handoff_reserve_s": 0.125,
     }
     assert json.dumps(s.as_dict()) == json.dumps({k: float(v) for k, v in legacy.items()})
     assert "capacity" not in s.as_dict()  # the worker's view has a field of its own for it
 
 
+@pytest.mark.parametrize(
+    "counters, keys",
+    [
+        (EarlyPrefillCounters(started=5, claimed=3, dropped=1, skipped=2, held=1), EARLY_PREFILL_KEYS),
+        (
+            HandoffCounters(
+                requests=4,
+                notified=2,
+                reserve_s=0.5,
+                ready_s=0.25,
+                calls=4,
+                call_s=1.5,
+                prefill_compute_s=0.75,
+                prefill_transfer_s=0.125,
+                call_out_s=0.0625,
+                call_back_s=0.03125,
+            ),
+            HANDOFF_KEYS,
+        ),
+        (None, []),
+    ],
+)
+def test_role_counters_keep_their_json_keys(counters, keys):
+    """Each role's typed counters become its flat keys after the replica's own, in order, as floats; the
+    unified pool (None) adds none."""
+    s = worker_stats(role_counters=counters)
+    out = s.as_dict()
+    base = len(s.engine.as_dict()) + 4  # then first_output_s, first_output_requests, gpus, tensor_parallel_size
+    assert list(out)[base:] == keys
+    if counters is not None:
+        assert type(counters).keys() == tuple(keys)
+        fields = [getattr(counters, f.name) for f in dataclasses.fields(counters)]
+        assert [out[k] for k in keys] == [float(v) for v in fields]
+        assert all(type(out[k]) is float for k in keys)
+
+
+def test_role_counters_are_frozen_and_add_by_name():
+    c = HandoffCounters().plus(requests=1, ready_s=0.5).plus(requests=1)
+    assert (c.requests, c.ready_s, c.calls) == (2, 0.5, 0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.requests = 3
+    with pytest.raises(TypeError):
+        EarlyPrefillCounters().plus(handoff_requests=1)  # names are the fields, not the JSON keys
+
+
+def test_roles_report_their_typed_counters():
+    """A prefill replica reports its StartedPrompts' EarlyPrefillCounters, a decode replica its HandoffCounters."""
+    from cluster.workers.decode import DecodeWorker
+    from cluster.workers.early_prefill import StartedPrompts
+    from cluster.workers.prefill import PrefillWorker
+
+    prefill = PrefillWorker.__new__(PrefillWorker)
+    prefill.started = StartedPrompts(engine=None, limit_tokens=0, ttl_s=1.0)
+    prefill.started.start([1], None, "k")  # over the limit: skipped
+    assert prefill._role_counters() == EarlyPrefillCounters(skipped=1)
+    decode = DecodeWorker.__new__(DecodeWorker)
+    decode._handoff = HandoffCounters(requests=2)
+    assert decode._role_counters() == HandoffCounters(requests=2)
+
+
 def test_worker_stats_crosses_the_replica_boundary_whole():
-    s = worker_stats(counters={"early_prefill_started": 1.0})
+    s = worker_stats(role_counters=EarlyPrefillCounters(started=1, held=1))
     back = pickle.loads(pickle.dumps(s))
     assert back == s and isinstance(back.engine, EngineStats) and back.engine.kv_usage == 0.25
+    assert isinstance(back.role_counters, EarlyPrefillCounters) and back.role_counters.started == 1
 
 
 def _view(reported):
@@ -109,11 +197,12 @@ def _cluster_stats(workers):
 def test_router_stats_json_keeps_its_shape():
     """GET /router/stats (ClusterStats.model_dump) shows each worker's report flat under "engine" ({} before
     its first report) and never the typed record itself; the typed record crosses to the ingress."""
-    s = worker_stats(counters={"early_prefill_held": 0.0})
+    s = worker_stats(role_counters=EarlyPrefillCounters())
     stats = _cluster_stats({"w1": _view(s), "w2": _view(None)})
     out = json.loads(json.dumps(stats.model_dump()))
     assert list(out["workers"]["w1"]) == VIEW_KEYS
     assert out["workers"]["w1"]["engine"] == s.as_dict() and out["workers"]["w1"]["capacity"] == 12
+    assert out["workers"]["w1"]["engine"]["early_prefill_held"] == 0.0
     assert out["workers"]["w2"]["engine"] == {} and out["workers"]["w2"]["capacity"] is None
     assert json.loads(stats.model_dump_json()) == out
     back = pickle.loads(pickle.dumps(stats))  # Ray's way from the router to the ingress
@@ -143,7 +232,7 @@ def test_report_sends_worker_stats():
     report = asyncio.run(worker.report())
     assert (report.replica_id, report.events) == ("me", ["event"])
     s = report.stats
-    assert (s.engine.waiting, s.capacity, s.gpus, s.tensor_parallel_size, s.counters) == (7, None, 4.0, 4, {})
+    assert (s.engine.waiting, s.capacity, s.gpus, s.tensor_parallel_size, s.role_counters) == (7, None, 4.0, 4, None)
     assert s.first_output_requests == 1 and s.first_output_s > 0
     assert asyncio.run(worker.stats()).engine == s.engine
 
