@@ -203,7 +203,8 @@ _BYTE_PROBE = 'Ab, "c d": [1, 23.5], {x_y}\n  é ü'
 
 def token_bytes_mismatch(decode_bytes: Any, hf_tokenizer: Any) -> Optional[str]:
     """None when `decode_bytes` (token ids -> bytes: the grammar backend's view of the vocabulary) gives back
-    the UTF-8 of a probe text that `hf_tokenizer` encoded; else what differs.
+    the UTF-8 of a probe text that `hf_tokenizer` encoded (after the one leading space of a SentencePiece dummy
+    prefix, if any); else what differs.
 
     llguidance builds its byte table from the tokenizer's internals, and a transformers version that
     exposes them differently yields a table that misreads tokens (a byte-level "Ġ" kept as two bytes
@@ -212,7 +213,8 @@ def token_bytes_mismatch(decode_bytes: Any, hf_tokenizer: Any) -> Optional[str]:
     ids = hf_tokenizer.encode(_BYTE_PROBE, add_special_tokens=False)
     got = bytes(decode_bytes(ids))
     want = _BYTE_PROBE.encode()
-    if got == want:
+    # SentencePiece tokenizers with a dummy prefix (Llama 2, Mistral) start the text with "▁": one space.
+    if got in (want, b" " + want):
         return None
     return f"the grammar backend reads {want!r} as {got!r} (its byte table disagrees with the tokenizer)"
 

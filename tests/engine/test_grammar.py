@@ -241,5 +241,9 @@ def test_grammar_byte_table_is_checked_against_the_tokenizer(default_engine):
     def unmapped(ids):  # the raw token strings, byte-level marks left in
         return "".join(tokenizer.convert_ids_to_tokens(ids)).encode()
 
+    def dummy_prefix(ids):  # a SentencePiece tokenizer's table: the text starts with its "▁" as a space
+        return b" " + table.decode_bytes(ids)
+
+    assert token_bytes_mismatch(dummy_prefix, tokenizer) is None
     problem = token_bytes_mismatch(unmapped, tokenizer)
     assert problem is not None and "disagrees with the tokenizer" in problem and "\\xc4\\xa0" in problem
