@@ -30,7 +30,7 @@ from serving.anthropic_protocol import (
 )
 from serving.chat import plan_chat
 from serving.chat_bridge import Delta, chat_deltas, prepare_chat, run_chat
-from serving.errors import APIError, to_api_error
+from serving.errors import APIError, bad_request, to_api_error
 from serving.protocol import ChatCompletionRequest, ChatMessage, FunctionCall, Tool, ToolCall
 from serving.state import get_state
 from serving.streams import GenerationStream, SSEResponse, cancel_on_disconnect
@@ -42,7 +42,7 @@ _RENAME = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "res
 
 
 def _bad(message: str, param: str) -> APIError:
-    return APIError(400, f"{param}: {message}", param, "invalid_request")
+    return bad_request(f"{param}: {message}", param)
 
 
 def _text_of(blocks: Any, param: str) -> str:

@@ -87,6 +87,11 @@ def error_response(
     return JSONResponse(error_body(status, message, param, code, type), status_code=status, headers=headers)
 
 
+def bad_request(message: str, param: Optional[str], code: str = "invalid_request") -> APIError:
+    """A 400 naming the request parameter `param` that is wrong."""
+    return APIError(400, message, param, code)
+
+
 def queue_full(message: str) -> APIError:
     """The 503 of a full server or pool: code queue_full, with Retry-After."""
     return APIError(503, message, None, "queue_full", retry_after=RETRY_AFTER_S)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional
 
-from serving.errors import APIError
+from serving.errors import APIError, bad_request
 from serving.responses_protocol import item_id
 
 DEFAULT_LIMIT = 20
@@ -96,24 +96,20 @@ class ItemListQuery:
             try:
                 limit = int(raw)
             except ValueError:
-                raise _bad(f"limit must be an integer, got {raw!r}", "limit") from None
+                raise bad_request(f"limit must be an integer, got {raw!r}", "limit") from None
             if not 1 <= limit <= MAX_LIMIT:
-                raise _bad(f"limit must be between 1 and {MAX_LIMIT}, got {limit}", "limit")
+                raise bad_request(f"limit must be between 1 and {MAX_LIMIT}, got {limit}", "limit")
         order = params.get("order") or "desc"
         if order not in ("asc", "desc"):
-            raise _bad(f"order must be 'asc' or 'desc', got {order!r}", "order")
+            raise bad_request(f"order must be 'asc' or 'desc', got {order!r}", "order")
         for value in include:
             if value in INCLUDE_REFUSED:
                 raise APIError(
                     400, f"include {value!r} is not supported: {INCLUDE_REFUSED[value]}", "include", "unsupported"
                 )
             if value not in INCLUDE_NOTHING_TO_ADD:
-                raise _bad(f"include {value!r} is not a known value", "include")
+                raise bad_request(f"include {value!r} is not a known value", "include")
         return cls(limit, order, params.get("after") or None, params.get("before") or None, tuple(include))
-
-
-def _bad(message: str, param: str) -> APIError:
-    return APIError(400, message, param, "invalid_request")
 
 
 def input_items_page(items: List[Dict[str, Any]], query: ItemListQuery) -> Dict[str, Any]:
@@ -127,7 +123,7 @@ def input_items_page(items: List[Dict[str, Any]], query: ItemListQuery) -> Dict[
     start, end = 0, len(ordered)
     for param, cursor in (("after", query.after), ("before", query.before)):
         if cursor is not None and cursor not in ids:
-            raise _bad(f"{param}: no item {cursor!r} in this response's input items", param)
+            raise bad_request(f"{param}: no item {cursor!r} in this response's input items", param)
     if query.after is not None:
         start = ids.index(query.after) + 1
     if query.before is not None:

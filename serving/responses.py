@@ -23,7 +23,7 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
 from serving.chat_bridge import Delta, chat_deltas, prepare_chat, run_chat
-from serving.errors import APIError, to_api_error
+from serving.errors import APIError, bad_request, to_api_error
 from serving.protocol import ChatCompletionRequest, ChatMessage, FunctionCall, Tool, ToolCall
 from serving.response_items import ItemListQuery, input_items_page, item_resources
 from serving.response_store import STORE_DISABLED, ResponseStore, StoredResponse
@@ -47,20 +47,16 @@ _RENAME = {"messages": "input", "max_tokens": "max_output_tokens", "response_for
 _TEXT_PART_TYPES = ("input_text", "output_text", "text", "refusal")
 
 
-def _bad(message: str, param: str, code: str = "invalid_request") -> APIError:
-    return APIError(400, message, param, code)
-
-
 def _check_unsupported(body: ResponsesRequest) -> None:
     for name, why in UNSUPPORTED.items():
         if getattr(body, name) not in (None, False, [], 0):
-            raise _bad(why, name, "unsupported")
+            raise bad_request(why, name, "unsupported")
     if body.service_tier not in (None, "auto", "default"):
-        raise _bad(
+        raise bad_request(
             f"service_tier {body.service_tier!r} is not supported (auto or default)", "service_tier", "unsupported"
         )
     if body.truncation not in (None, "disabled"):
-        raise _bad("only truncation 'disabled' is supported", "truncation", "unsupported")
+        raise bad_request("only truncation 'disabled' is supported", "truncation", "unsupported")
 
 
 def _text(content: Any, param: str) -> str:
@@ -68,17 +64,17 @@ def _text(content: Any, param: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise _bad("content must be a string or a list of content parts", param)
+        raise bad_request("content must be a string or a list of content parts", param)
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in _TEXT_PART_TYPES:
-            raise _bad(
+            raise bad_request(
                 f"content part type {kind!r} is not supported (text parts only)", f"{param}[{j}].type", "unsupported"
             )
         text = part.get("refusal" if kind == "refusal" else "text")
         if not isinstance(text, str):
-            raise _bad("a text part needs a string text", f"{param}[{j}].text")
+            raise bad_request("a text part needs a string text", f"{param}[{j}].text")
         texts.append(text)
     return "\n".join(texts)
 
@@ -86,7 +82,7 @@ def _text(content: Any, param: str) -> str:
 def _field(item: Dict[str, Any], name: str, param: str) -> str:
     value = item.get(name)
     if not isinstance(value, str):
-        raise _bad(f"{name} must be a string", f"{param}.{name}")
+        raise bad_request(f"{name} must be a string", f"{param}.{name}")
     return value
 
 
@@ -97,12 +93,12 @@ def conversation_messages(items: List[Dict[str, Any]], instructions: Optional[st
     for i, item in enumerate(items):
         param = f"input[{i}]"
         if not isinstance(item, dict):
-            raise _bad("an input item must be an object", param)
+            raise bad_request("an input item must be an object", param)
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
-                raise _bad(f"role must be user, assistant, system or developer, got {role!r}", f"{param}.role")
+                raise bad_request(f"role must be user, assistant, system or developer, got {role!r}", f"{param}.role")
             messages.append(ChatMessage(role=role, content=_text(item.get("content"), f"{param}.content")))
         elif kind == "function_call":
             call = ToolCall(
@@ -118,13 +114,13 @@ def conversation_messages(items: List[Dict[str, Any]], instructions: Optional[st
             output = _text(item.get("output"), f"{param}.output")
             messages.append(ChatMessage(role="tool", tool_call_id=_field(item, "call_id", param), content=output))
         else:
-            raise _bad(
+            raise bad_request(
                 f"input item type {kind!r} is not supported (message, function_call, function_call_output)",
                 f"{param}.type",
                 "unsupported",
             )
     if not messages or all(m.role == "system" for m in messages):
-        raise _bad("input must contain at least one message", "input")
+        raise bad_request("input must contain at least one message", "input")
     return messages
 
 
@@ -135,12 +131,14 @@ def _tools(body: ResponsesRequest) -> Optional[List[Tool]]:
     for i, spec in enumerate(body.tools):
         kind = spec.get("type")
         if kind != "function":
-            raise _bad(f"tool type {kind!r} is not supported (function tools only)", f"tools[{i}].type", "unsupported")
+            raise bad_request(
+                f"tool type {kind!r} is not supported (function tools only)", f"tools[{i}].type", "unsupported"
+            )
         fn = {k: spec[k] for k in ("name", "description", "parameters", "strict") if spec.get(k) is not None}
         try:
             tools.append(Tool.model_validate({"type": "function", "function": fn}))
         except ValidationError as exc:
-            raise _bad(f"invalid function tool: {exc.errors()[0]['msg']}", f"tools[{i}]") from exc
+            raise bad_request(f"invalid function tool: {exc.errors()[0]['msg']}", f"tools[{i}]") from exc
     return tools
 
 
@@ -149,7 +147,7 @@ def _tool_choice(choice: Any) -> Any:
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise _bad(
+    raise bad_request(
         'tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}',
         "tool_choice",
         "unsupported",
@@ -160,7 +158,7 @@ def _text_format(body: ResponsesRequest) -> Tuple[Dict[str, Any], Optional[Dict[
     """(the format echoed in the response, the chat response_format)."""
     text = body.text or {}
     if text.get("verbosity") is not None:
-        raise _bad("text.verbosity is not supported", "text.verbosity", "unsupported")
+        raise bad_request("text.verbosity is not supported", "text.verbosity", "unsupported")
     fmt = text.get("format") or {"type": "text"}
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     if kind == "text":
@@ -169,10 +167,10 @@ def _text_format(body: ResponsesRequest) -> Tuple[Dict[str, Any], Optional[Dict[
         return fmt, {"type": "json_object"}
     if kind == "json_schema":
         if not isinstance(fmt.get("schema"), dict):
-            raise _bad("text.format.schema must be a JSON schema object", "text.format.schema")
+            raise bad_request("text.format.schema must be a JSON schema object", "text.format.schema")
         spec = {k: fmt[k] for k in ("name", "description", "schema", "strict") if fmt.get(k) is not None}
         return fmt, {"type": "json_schema", "json_schema": spec}
-    raise _bad("text.format.type must be text, json_object or json_schema", "text.format.type", "unsupported")
+    raise bad_request("text.format.type must be text, json_object or json_schema", "text.format.type", "unsupported")
 
 
 def chat_request(body: ResponsesRequest, items: List[Dict[str, Any]]) -> ChatCompletionRequest:
