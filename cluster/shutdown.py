@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import List, Optional
 
@@ -32,6 +33,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--app", default="default", help="Serve application name (serve run's default: default)")
     p.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S, help="time running requests get")
     args = p.parse_args(argv)
+    # Serve's throughput preset (deploy/serve.sh exports it) makes handles route on the caller's event loop;
+    # this driver has none, so its handle routes on a loop of its own. Read when ray.serve is first imported.
+    os.environ["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] = "1"
     import ray
 
     try:  # the cluster `serve run` started or joined: it resolves "auto" the same way

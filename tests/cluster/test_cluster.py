@@ -9,6 +9,9 @@ stage of a request. Nothing here asserts on timings.
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -393,3 +396,18 @@ def test_drain_lets_running_streams_finish_and_refuses_new_requests(http):
         last = [s.result(timeout=240) for s in streams]
         assert drained.result(timeout=120) == [8]
     assert all(chunk["choices"][0]["finish_reason"] == "length" for chunk in last), last
+
+
+def test_shutdown_command_drains_under_serve_sh_environment(cluster):
+    """`python -m cluster.shutdown`, as deploy/serve.sh runs it on SIGTERM (its environment: Serve's throughput
+    preset), reaches the ingress replica (already drained by the test before: it reports 0 running)."""
+    env = {**os.environ, "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "cluster.shutdown", "--app", APP, "--grace-s", "5"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "drained 1 ingress replica(s), 0 request(s) were running" in done.stdout, done.stdout
