@@ -5,7 +5,8 @@ each method runs --iters all-reduces captured in one CUDA graph (as decode steps
 per call); the time per call is the graph's replay time / iters, median of --trials replays, rank 0's:
 
   nccl       dist.all_reduce
-  one_shot   PeerAllReduce with the one-shot kernel
+  one_shot   PeerAllReduce with the one-shot kernel (copying its input into the peer buffer itself)
+  one_shot_staged  the same kernel after a separate copy kernel (torch without the copying variant)
   two_shot   PeerAllReduce with the two-shot kernel
 
   python benchmarks/bench_allreduce.py --world-size 2
@@ -27,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_offline import hardware, result_path  # noqa: E402
 
 SIZES_KB = [8, 32, 128, 256, 512, 1024, 2048, 4096, 8192]
+METHODS = ("nccl", "one_shot", "one_shot_staged", "two_shot")
 
 
 def _rank(rank: int, size: int, port: int, args: Dict, queue) -> None:
@@ -45,10 +47,12 @@ def _rank(rank: int, size: int, port: int, args: Dict, queue) -> None:
     def method(name: str):
         if name == "nccl":
             return lambda x: dist.all_reduce(x, group=group)
-        threshold = ar.BUFFER_BYTES if name == "one_shot" else 0
+        threshold = 0 if name == "two_shot" else ar.BUFFER_BYTES
+        copy_in_kernel = peer.copy_in_kernel and name == "one_shot"
 
         def run(x):
             ar.ONE_SHOT_MAX_BYTES = threshold  # this process's choice of kernel (read at each call)
+            peer.copy_in_kernel = copy_in_kernel
             return peer(x)
 
         return run
@@ -57,7 +61,7 @@ def _rank(rank: int, size: int, port: int, args: Dict, queue) -> None:
     for kb in SIZES_KB:
         x = torch.randn(kb * 1024 // 2, dtype=torch.bfloat16, device=device)
         row: Dict = dict(kb=kb)
-        for name in ("nccl", "one_shot", "two_shot"):
+        for name in METHODS:
             if name != "nccl" and kb * 1024 > ar.BUFFER_BYTES:
                 continue
             fn = method(name)
@@ -112,9 +116,9 @@ def main() -> None:
         proc.join()
     hw = hardware()
     print(f"\nall-reduce of bf16, {args.world_size} ranks, {hw.get('gpu')}: microseconds per call (CUDA graph)")
-    print(f"{'KiB':>8}{'nccl':>10}{'one-shot':>10}{'two-shot':>10}")
+    print(f"{'KiB':>8}" + "".join(f"{m:>17}" for m in METHODS))
     for r in rows:
-        cells = "".join(f"{r.get(k, float('nan')):>10.1f}" for k in ("nccl_us", "one_shot_us", "two_shot_us"))
+        cells = "".join(f"{r.get(f'{m}_us', float('nan')):>17.1f}" for m in METHODS)
         print(f"{r['kb']:>8}{cells}")
     out = result_path(args.out, f"allreduce_tp{args.world_size}", hw)
     with open(out, "w") as f:

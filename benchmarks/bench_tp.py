@@ -10,6 +10,8 @@ the shards put together are the TP=1 tensors) measures:
   agreement       greedy tokens of --agree-prompts random prompts (--agree-output-len tokens each) compared
                   with the first size's, position by position (bf16 row-parallel sums round differently from
                   one GEMM, so near-ties may part); first_divergence per prompt
+  profile         with --profile: rank 0's GPU kernels over one batch-1 generation of --tpot-output-len
+                  tokens (torch.profiler), microseconds per output token by kernel, the top ones printed
   throughput      with --num-prompts > 0: the offline random workload of bench_offline.py (prompts of
                   --input-len tokens, --output-len tokens each, ignore_eos, all submitted at once)
 
@@ -80,6 +82,8 @@ def measure(folder: str, tp: int, args_dict: Dict, overrides: Optional[Dict] = N
         first = statistics.median(timed(1) for _ in range(args.tpot_trials))
         full = statistics.median(timed(args.tpot_output_len) for _ in range(args.tpot_trials))
         result["tpot_ms"] = (full - first) / (args.tpot_output_len - 1) * 1e3
+        if args.profile:
+            result["profile_us_per_token"] = _profile(lambda: timed(args.tpot_output_len), args.tpot_output_len)
         agree = _prompts(args.agree_prompts, args.agree_input_len, vocab, seed=2)
         outs = engine.generate(agree, dict(greedy, max_new_tokens=args.agree_output_len))
         result["greedy_tokens"] = [o.token_ids for o in outs]
@@ -103,6 +107,21 @@ def measure(folder: str, tp: int, args_dict: Dict, overrides: Optional[Dict] = N
         result["kv_total_tokens"] = stats.kv_total_tokens
         result["kv_leak_free"] = stats.kv_free_tokens + stats.kv_evictable_tokens == stats.kv_total_tokens
     return result
+
+
+def _profile(generate, tokens: int) -> Dict[str, float]:
+    """GPU time of this process's kernels (rank 0's) while `generate()` runs, microseconds per output token by
+    kernel name, largest first; "total" is their sum."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        generate()
+    by_name: Dict[str, float] = {}
+    for event in prof.key_averages():
+        if event.device_time_total > 0:
+            by_name[event.key[:80]] = by_name.get(event.key[:80], 0.0) + event.device_time_total / tokens
+    ranked = dict(sorted(by_name.items(), key=lambda kv: -kv[1]))
+    return {"total": sum(ranked.values()), **ranked}
 
 
 def agreement(ref: List[List[int]], other: List[List[int]]) -> Dict:
@@ -132,6 +151,7 @@ def main() -> None:
     p.add_argument("--agree-prompts", type=int, default=16)
     p.add_argument("--agree-input-len", type=int, default=64)
     p.add_argument("--agree-output-len", type=int, default=64)
+    p.add_argument("--profile", action="store_true", help="rank 0's GPU kernels per output token at batch 1")
     p.add_argument("--num-prompts", type=int, default=0, help="offline throughput prompts (0: skip)")
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=256)
@@ -176,6 +196,12 @@ def main() -> None:
             f"{a['token_agreement']:>8.3f}{a['identical_prompts']:>6}/{a['prompts']:<4}"
             f"{t.get('requests_per_s', float('nan')):>9.2f}{t.get('total_tok_per_s', float('nan')):>10.0f}"
         )
+    for run in runs:
+        if "profile_us_per_token" in run:
+            top = list(run["profile_us_per_token"].items())[:16]
+            print(f"\nTP={run['tensor_parallel_size']} {','.join(run['overrides']) or ''}: rank 0 GPU us per token")
+            for name, us in top:
+                print(f"{us:>10.1f}  {name}")
     name = os.path.splitext(os.path.basename(args.config))[0]
     out = result_path(args.out, f"tp_{name}", hw)
     for run in runs:

@@ -10,11 +10,13 @@ into every rank's address space and ships the kernels that read the peers' buffe
     two-shot   a reduce-scatter then an all-gather through the same buffers: less traffic per rank, a
                second barrier; better for mid-sized tensors
 
-Ownership: one buffer of `max_bytes` per rank, allocated and exchanged (a collective: every rank builds its
-PeerAllReduce at the same point) for the group's lifetime. A call copies its input into the buffer,
-reduces, and writes the sum back into the input (in place, like dist.all_reduce). Every call launches on
-the current stream, so it can be captured in a CUDA graph. Calls are serialised by the stream: the kernels'
-own barriers keep one call's reads from racing the next call's copy.
+Ownership: one buffer of BUFFER_BYTES per rank, allocated and exchanged (a collective: every rank builds its
+PeerAllReduce at the same point) for the group's lifetime. A one-shot call is one kernel that copies the
+input into this rank's buffer, waits for every rank's copy, and writes the sum into a new tensor (torch's
+`one_shot_all_reduce_copy_out`; where torch lacks it, a copy kernel then the one-shot kernel). A two-shot
+call copies the input in, reduces in the buffers and copies the sum back into the input. Every call
+launches on the current stream, so it can be captured in a CUDA graph. Calls are serialised by the stream:
+the kernels' own barriers keep one call's reads from racing the next call's copy.
 
 Tensors larger than the buffer, or of a device/layout the kernels do not take, are left to NCCL
 (`can_run` is False), as are groups whose GPUs cannot map each other's memory (the constructor raises
@@ -60,6 +62,8 @@ class PeerAllReduce:
         self.group_name = group.group_name
         self.dtype = dtype
         self.device = device
+        self.copy_in_kernel = hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
+        """One-shot calls copy their input inside the reducing kernel (one launch instead of two)."""
 
     def can_run(self, x: torch.Tensor) -> bool:
         """Whether `x` goes through peer memory: this rank's device and dtype, contiguous, fits the buffer."""
@@ -71,13 +75,19 @@ class PeerAllReduce:
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum of `x` over the ranks, written into `x` (which can_run accepts); returns `x`."""
+        """Sum of `x` (which can_run accepts) over the ranks: a new tensor of x's shape (one-shot), or `x`
+        itself with the sum written into it (two-shot). Every rank gets the same values."""
         flat = x.view(-1)
         staged = self.buffer[: flat.numel()]
-        staged.copy_(flat)
-        if flat.numel() * flat.element_size() <= ONE_SHOT_MAX_BYTES:
-            torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, flat)
-        else:
+        if flat.numel() * flat.element_size() > ONE_SHOT_MAX_BYTES:
+            staged.copy_(flat)
             torch.ops.symm_mem.two_shot_all_reduce_(staged, "sum", self.group_name)
             flat.copy_(staged)
-        return x
+            return x
+        out = torch.empty_like(flat)
+        if self.copy_in_kernel:
+            torch.ops.symm_mem.one_shot_all_reduce_copy_out(staged, flat, "sum", self.group_name, out)
+        else:
+            staged.copy_(flat)
+            torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, out)
+        return out.view_as(x)

@@ -34,7 +34,8 @@ class TensorParallel(Protocol):
     size: int
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum of `x` over the ranks, in place; every rank gets the same values."""
+        """Sum of `x` over the ranks (written into `x`, or a new tensor: use the returned one); every rank
+        gets the same values."""
         ...
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
