@@ -147,7 +147,7 @@ class DecodeWorker(KVEndpoint, WorkerBase):
         return handoff
 
     async def _first_of(self, result: "asyncio.Future", arrival: "asyncio.Future", handle) -> Any:
-        """The PrefillHandoff, as soon as the KV has landed here and the handoff is known: from the
+        """The SenderHandoff, as soon as the KV has landed here and the handoff is known: from the
         message that came with the KV (usually), else from the prefill call's result. Raises what the
         call or the transfer raised."""
         done, _ = await asyncio.wait([result, arrival], return_when=asyncio.FIRST_COMPLETED)

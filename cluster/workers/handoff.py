@@ -12,7 +12,7 @@ if TYPE_CHECKING:  # the types stay light to import: the ingress imports them, t
 
     from cluster.kv_transfer import PeerInfo
     from cluster.kv_transfer.ranked import RankedPeerInfo
-    from engine.scheduler.handoff import PrefillHandoff
+    from engine.scheduler.handoff import SenderHandoff
 
 
 PREFILL_CALL_TIMEOUT_S = 600.0
@@ -52,9 +52,9 @@ class TransferTarget:
 
 @dataclass(frozen=True)
 class PrefillResult:
-    """Prefill side → decode side: the engine's PrefillHandoff and where the prefill call's time went."""
+    """Prefill side → decode side: the engine's SenderHandoff and where the prefill call's time went."""
 
-    handoff: PrefillHandoff
+    handoff: SenderHandoff
     """The engine's handoff: first token, its logprobs, the prompt's pages on the prefill side."""
     compute_s: float
     """Queueing and computing the prompt in the prefill engine, from the call's arrival (a prompt the

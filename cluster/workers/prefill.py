@@ -44,7 +44,7 @@ class PrefillWorker(KVEndpoint, WorkerBase):
     ) -> PrefillResult:
         """Compute the prompt (or claim the one the ingress started under target.early_key), write the KV of
         [target.prefix_len, prompt_len) into target.dst_pages, and return a PrefillResult with the engine's
-        PrefillHandoff (first token and logprobs). The hold on this replica's pages is released whatever
+        SenderHandoff (first token and logprobs). The hold on this replica's pages is released whatever
         happens."""
         if target.replica_id != self.replica_id:
             raise WrongReplicaError(
