@@ -1,5 +1,5 @@
 """PrefillWorker: a replica of the prefill pool. It computes prompts and writes their KV into decode replicas'
-pools (docs/disaggregation.md); prompts the ingress started early wait here until claimed
+pools: the handoff's sender (docs/disaggregation.md); prompts the ingress started early wait here until claimed
 (workers/early_prefill.py)."""
 
 import time
