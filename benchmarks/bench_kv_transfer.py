@@ -1,16 +1,16 @@
 """KV page transfer bandwidth per backend (cluster/kv_transfer), with the raw copy as the roofline.
 
-Two Ray actors, a writer (prefill) and a receiver (decode), each own the engine's KVPool shaped
+Two Ray actors, a sender (prefill) and a receiver (decode), each own the engine's KVPool shaped
 like a real model's: --num-layers layers × K and V × --num-kv-heads × --head-dim --dtype elements
 per token, --page-size tokens per page. The pool is token-major (engine/memory/kv_pool.py), so a
 page is one contiguous range across all layers and a run of consecutive pages is one region.
 The default is Llama-3.1-8B's shape (32 layers, 8 KV heads × 128, bfloat16: 128 KiB per token)
 with the engine's page size 1. Each transfer moves SIZE MiB: the src pages lie in runs of
-RUN pages (each of --run-pages) at random places of the writer's pool (a radix cache holding
+RUN pages (each of --run-pages) at random places of the sender's pool (a radix cache holding
 pieces of other prompts), the dst pages are one block (a fresh allocation), so it is one region
 per run.
 
-Timing is the writer's: write(src_ready=True, as a prefill replica calls it; --stream-event for the
+Timing is the sender's: write(src_ready=True, as a prefill replica calls it; --stream-event for the
 CUDA-event wait) until its handle is DONE, busy-polled (no event-loop sleeps),
 --repeats times after --warmup untimed transfers; the receiver awaits its expects as a replica
 would (KVTransferBackend.wait: asyncio, polls backing off to 0.2 ms). For NIXL, a ceiling row too:
@@ -192,12 +192,12 @@ def roofline(nbytes: int, cuda: bool, repeats: int) -> List[float]:
     return times
 
 
-def page_lists(num_pages: int, run_pages: int, writer_pages: int, seed: int):
-    """src: runs of run_pages at random non-overlapping places in [1, writer_pages); dst: 1..num_pages."""
+def page_lists(num_pages: int, run_pages: int, sender_pages: int, seed: int):
+    """src: runs of run_pages at random non-overlapping places in [1, sender_pages); dst: 1..num_pages."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    slots = (writer_pages - 1) // run_pages
+    slots = (sender_pages - 1) // run_pages
     runs = -(-num_pages // run_pages)
     starts = 1 + rng.choice(slots, size=runs, replace=False) * run_pages
     src = np.concatenate([np.arange(s, s + run_pages) for s in starts])[:num_pages]
@@ -221,7 +221,7 @@ def bench_backend(name: str, args, cuda: bool, sizes: List[int], run_lengths: Li
     from cluster.kv_transfer import page_runs
 
     max_pages = max(sizes) * MiB // int(page_mib * MiB)
-    writer_pages = 2 * max_pages + max(run_lengths) + 1
+    sender_pages = 2 * max_pages + max(run_lengths) + 1
     opts = dict(num_cpus=0, num_gpus=1 if cuda else 0)
     actor = ray.remote(Side)
     shape = dict(
@@ -232,27 +232,27 @@ def bench_backend(name: str, args, cuda: bool, sizes: List[int], run_lengths: Li
         head_dim=args.head_dim,
     )
     device = "cuda" if cuda else "cpu"
-    writer = actor.options(**opts).remote(name, f"bench-prefill-{name}", writer_pages, shape, device)
-    reader = actor.options(**opts).remote(name, f"bench-decode-{name}", max_pages + 1, shape, device)
-    w_info, r_info = ray.get([writer.info.remote(), reader.info.remote()])
-    ray.get([writer.connect.remote(r_info), reader.connect.remote(w_info)])
+    sender = actor.options(**opts).remote(name, f"bench-prefill-{name}", sender_pages, shape, device)
+    receiver = actor.options(**opts).remote(name, f"bench-decode-{name}", max_pages + 1, shape, device)
+    s_info, r_info = ray.get([sender.info.remote(), receiver.info.remote()])
+    ray.get([sender.connect.remote(r_info), receiver.connect.remote(s_info)])
     rows, first_ms = [], None
     try:
         for size, run_pages in ((size, run) for size in sizes for run in run_lengths):
             n = size * MiB // int(page_mib * MiB)
-            src, dst = page_lists(n, run_pages, writer_pages, args.seed + size)
+            src, dst = page_lists(n, run_pages, sender_pages, args.seed + size)
             count = (1 if first_ms is None else 0) + args.warmup + args.repeats
             tids = [f"{size}-{run_pages}-{i}" for i in range(count)]
-            received = reader.receive.remote(f"bench-prefill-{name}", dst, tids, args.timeout)
+            received = receiver.receive.remote(f"bench-prefill-{name}", dst, tids, args.timeout)
             times = ray.get(
-                writer.write_timed.remote(f"bench-decode-{name}", src, dst, tids, args.timeout, not args.stream_event)
+                sender.write_timed.remote(f"bench-decode-{name}", src, dst, tids, args.timeout, not args.stream_event)
             )
             ray.get(received)
             if first_ms is None:
                 first_ms, times = times[0] * 1e3, times[1:]
-            w_sums, r_sums = ray.get([writer.page_sums.remote(src), reader.page_sums.remote(dst)])
-            if w_sums != r_sums:
-                raise SystemExit(f"{name} {size} MiB: data on the receiver differs from the writer's")
+            s_sums, r_sums = ray.get([sender.page_sums.remote(src), receiver.page_sums.remote(dst)])
+            if s_sums != r_sums:
+                raise SystemExit(f"{name} {size} MiB: data on the receiver differs from the sender's")
             regions = len(page_runs(np.array(src), np.array(dst)))  # one buffer: one region per run
             rows.append(
                 dict(
@@ -268,7 +268,7 @@ def bench_backend(name: str, args, cuda: bool, sizes: List[int], run_lengths: Li
             for size in sizes:
                 n = size * MiB // int(page_mib * MiB)
                 times = ray.get(
-                    writer.raw_nixl_timed.remote(
+                    sender.raw_nixl_timed.remote(
                         r_info.name, r_info.buffer_addrs[0], r_info.layout.device, n, args.warmup + args.repeats
                     )
                 )
@@ -276,8 +276,8 @@ def bench_backend(name: str, args, cuda: bool, sizes: List[int], run_lengths: Li
                     dict(size_mib=size, run_pages="-", pages=n, regions=1, **stats(times[args.warmup :], size * MiB))
                 )
     finally:
-        ray.get([writer.close.remote(), reader.close.remote()])
-        ray.kill(writer), ray.kill(reader)
+        ray.get([sender.close.remote(), receiver.close.remote()])
+        ray.kill(sender), ray.kill(receiver)
     return {"first_transfer_ms": first_ms, "sizes": rows, "raw_nixl": raw}
 
 

@@ -267,7 +267,7 @@ def server_cache_counters(base_url: str, api_key: Optional[str]) -> Optional[Dic
     try:
         r = httpx.get(f"{base_url}/router/stats", headers=headers, timeout=10)
         if r.status_code == 200:
-            # Decode replicas of a disaggregated cluster count imported prompts again: the computing pools only.
+            # Decode replicas (the receivers of the handoffs) count received prompts again: the computing pools only.
             ws = [w for w in r.json()["workers"].values() if w.get("pool") != "decode"]
             return {
                 "source": "router_stats",

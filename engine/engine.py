@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional, Sequence, Union
 
 from engine.config import EngineConfig
-from engine.core.messages import AbortRequest, AddRequest, CompleteImport, ReleaseExport
+from engine.core.messages import AbortRequest, AddRequest, CompleteReceive, ReleaseSent
 from engine.errors import EngineAbortedError, EngineDeadError, InvalidRequestError, PromptTooLongError, QueueFullError
 from engine.models.source import resolve_model
 from engine.outputs import EngineStats, GenerateOutput, ReqOutput, StreamOutput
@@ -34,8 +34,8 @@ from engine.tokenizer import load_tokenizer
 
 Prompt = Union[str, Sequence[int]]
 RemotePrefill = Callable[[Any], Awaitable[Any]]
-"""Decode side of disaggregation: fills the reserved pages (a KVReservation) and returns the
-PrefillHandoff (see generate_stream)."""
+"""Disaggregation, the handoff's receiver: has the reserved pages (a KVReservation) filled and returns the
+SenderHandoff (see generate_stream)."""
 Sink = Callable[[Any], None]
 """Receives a request's items in order: StreamOutputs, a handoff object, or an exception (the end)."""
 
@@ -199,9 +199,9 @@ class Engine:
         """Yield StreamOutputs (one per engine step with news, per choice) until every choice finishes.
         Cancelling the iterator (client disconnect) aborts the request and frees its pages.
 
-        `remote_prefill` (disaggregation, decode side; n must be 1): the prompt is not computed here.
+        `remote_prefill` (disaggregation, the handoff's receiver; n must be 1): the prompt is not computed here.
         Once destination pages are reserved, `await remote_prefill(reservation)` must fill them (a
-        KVReservation) and return the PrefillHandoff; decoding then continues here. If it raises, the
+        KVReservation) and return the SenderHandoff; decoding then continues here. If it raises, the
         request is aborted (pages freed) and the error propagates."""
         loop = asyncio.get_running_loop()
         self.core.attach(loop)
@@ -215,7 +215,7 @@ class Engine:
             rid,
             queue.put_nowait,
             loop,
-            handoff="import" if remote_prefill is not None else None,
+            handoff="receiver" if remote_prefill is not None else None,
         )
         pending = params.n
         try:
@@ -225,7 +225,7 @@ class Engine:
                     raise item
                 if not isinstance(item, StreamOutput):  # the KVReservation of a remote prefill
                     handoff = await remote_prefill(item)
-                    self.core.send(CompleteImport(group.rid, handoff))
+                    self.core.send(CompleteReceive(group.rid, handoff))
                     continue
                 pending -= item.finish_reason is not None
                 yield item
@@ -243,8 +243,8 @@ class Engine:
         return self._submit(self._check_prompt(prompt, params), params, rid, on_output, loop).rid
 
     async def prefill_for_handoff(self, prompt: Prompt, sampling_params: Any = None, rid: Optional[str] = None) -> Any:
-        """Disaggregation, prefill side: compute the prompt (reusing the radix cache), sample the first
-        token, and return a PrefillHandoff naming the pages that hold the prompt's KV. Those pages stay
+        """Disaggregation, the handoff's sender: compute the prompt (reusing the radix cache), sample the first
+        token, and return a SenderHandoff naming the pages that hold the prompt's KV. Those pages stay
         held until `release_handoff(rid)` — the caller MUST call it once the transfer is over (done or
         failed). Cancelling the call aborts the request (pages freed)."""
         loop = asyncio.get_running_loop()
@@ -264,7 +264,7 @@ class Engine:
             else:
                 fut.set_result(item)
 
-        group = self._submit(self._check_prompt(prompt, params), params, rid, settle, loop, handoff="export")
+        group = self._submit(self._check_prompt(prompt, params), params, rid, settle, loop, handoff="sender")
         try:
             return await fut
         except BaseException:
@@ -272,8 +272,8 @@ class Engine:
             raise
 
     def release_handoff(self, rid: str) -> None:
-        """Prefill side: the KV transfer of `rid` is over; its pages go to the radix cache."""
-        self.core.send(ReleaseExport(rid))
+        """Sender: the KV transfer of `rid` is over; its pages go to the radix cache."""
+        self.core.send(ReleaseSent(rid))
 
     def abort(self, rid: str) -> None:
         """Abort a request (all choices of it): waiting or running, its pages are freed."""
@@ -410,7 +410,7 @@ class Engine:
         self.core.raise_if_dead()
         rid = rid or uuid.uuid4().hex
         text = None
-        if self.tokenizer is not None and self.config.detokenize and handoff != "export":
+        if self.tokenizer is not None and self.config.detokenize and handoff != "sender":
             text = OutputText(self.tokenizer, ids, params)
         group = _Group(rid, params, text, sink, loop, handoff)
         if any(r in self._requests for r in group.engine_rids):
@@ -440,12 +440,12 @@ class Engine:
             entry = self._requests.get(out.rid)
             if entry is None:
                 continue
-            # Over here: finished or failed; an export is over once its handoff is out (the core frees
-            # it on release_handoff without another output).
+            # Over here: finished or failed; a sender's request is over once its handoff is out (the core
+            # frees it on release_handoff without another output).
             if (
                 out.finish_reason is not None
                 or out.error is not None
-                or (out.handoff is not None and entry.group.handoff == "export")
+                or (out.handoff is not None and entry.group.handoff == "sender")
             ):
                 del self._requests[out.rid]
             loop = entry.group.loop

@@ -51,8 +51,8 @@ class ReqOutput:
     prompt_logprobs: Optional[List[TokenLogprob]] = None
     """Set once, on the first output of a request that asked for them."""
     handoff: Any = None
-    """Disaggregation (engine.scheduler.handoff): a KVReservation (decode side) or a PrefillHandoff
-    (prefill side); such an output carries no tokens."""
+    """Disaggregation (engine.scheduler.handoff): a KVReservation (receiver) or a SenderHandoff
+    (sender); such an output carries no tokens."""
 
     def __reduce__(self):
         # One message per step carries one of these per running request: a positional tuple pickles in
@@ -142,9 +142,10 @@ class EngineStats:
     running: int
     """Requests in the running batch (a request being prefilled in chunks counts)."""
     waiting: int
-    """Requests queued for their first step, including those still compiling a grammar or importing KV."""
+    """Requests queued for their first step, including those still compiling a grammar or pending receives
+    (disaggregation: waiting for pages to receive their KV into)."""
     handoff_in_flight: int
-    """Disaggregation: requests whose KV is being handed over (exported, awaiting or held)."""
+    """Disaggregation: requests whose KV is being handed over (awaiting it on the receiver, or held by the sender)."""
     kv_total_tokens: int
     kv_free_tokens: int
     kv_cached_tokens: int

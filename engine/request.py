@@ -52,8 +52,8 @@ class Req:
         self.grammar = grammar
         """GrammarState (runner/grammar.py) constraining the output, or None; advanced by the OutputProcessor."""
         self.handoff = handoff
-        """None, or its disaggregation role (engine.scheduler.handoff): "export" computes the prompt and
-        hands its KV and first token over; "import" receives them and decodes."""
+        """None, or its disaggregation role (engine.scheduler.handoff): "sender" computes the prompt and
+        hands its KV and first token over; "receiver" receives them and decodes."""
         # KV ownership
         self.req_pool_idx: Optional[int] = None
         self.prefix_indices: torch.Tensor = torch.empty(0, dtype=torch.int64)

@@ -1,8 +1,8 @@
 """kv_transfer: move KV pages from a prefill replica's pool into a decode replica's pool.
 
-Data flow of one handoff and who owns each stage:
+Data flow of one handoff (docs/disaggregation.md, Vocabulary) and who owns each stage:
 
-    decode replica                                    prefill replica
+    decode replica (receiver)                         prefill replica (sender)
     KVTransferBackend(name, kv buffers, page_size)    KVTransferBackend(name, kv buffers, page_size)
         info() ───────── PeerInfo (via Ray) ────────▶ connect(decode_info)
         connect(prefill_info) ◀──── PeerInfo ──────── info()

@@ -6,13 +6,13 @@ slot side by side (`kv_pool_buffers`). Page p is slots [p*page_size, (p+1)*page_
 [p*page_bytes, (p+1)*page_bytes) of EVERY buffer.
 Page 0 is reserved by the engine (padding sink) and is never transferred.
 
-A handoff moves src pages of the writer (prefill) into dst pages of the receiver (decode),
+A handoff moves src pages of the sender (prefill) into dst pages of the receiver (decode),
 pairwise (src_pages[i] → dst_pages[i]) in every buffer. Runs of pages consecutive on both
 sides travel as one region per buffer per run (`page_runs`).
 
 Ownership: the pages on both sides belong to their engines. A backend never frees pages. A
 transfer that failed or timed out leaves the dst pages' contents undefined; the receiver may
-reuse them only once the writer released its write handle (or is known to be dead): a writer
+reuse them only once the sender released its write handle (or is known to be dead): a sender
 still running could otherwise land data in pages that were handed to another request.
 Registered buffers must stay where they are: never pickle them through torch.multiprocessing
 (it moves a CPU tensor's storage into shared memory, away from the registered address).
@@ -131,7 +131,7 @@ class PeerInfo:
 
 @dataclass(frozen=True)
 class PageRun:
-    """`length` pages src_start.. (writer) → dst_start.. (receiver), consecutive on both sides."""
+    """`length` pages src_start.. (sender) → dst_start.. (receiver), consecutive on both sides."""
 
     src_start: int
     dst_start: int
@@ -203,7 +203,7 @@ def page_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> list[PageRun]:
 
 
 def transfer_digest(dst_pages: np.ndarray, buffer_ids: np.ndarray) -> int:
-    """A checksum of (dst pages, buffer ids): both sides compare it to catch a writer/receiver mix-up."""
+    """A checksum of (dst pages, buffer ids): both sides compare it to catch a sender/receiver mix-up."""
     return zlib.crc32(
         np.ascontiguousarray(dst_pages, dtype=np.int64).tobytes()
         + b"|"
@@ -225,7 +225,7 @@ class TransferHandle:
     transfer_id: str
     peer: str
     role: str
-    """"write" (writer side) or "expect" (receiver side)."""
+    """"write" (sender side) or "expect" (receiver side)."""
     num_pages: int
     nbytes: int
     """Payload bytes: num_pages × page_bytes × len(buffer_ids)."""
@@ -235,7 +235,7 @@ class TransferHandle:
     error: Optional[str] = None
     """Why the transfer failed (set when poll returns FAILED)."""
     message: bytes = b""
-    """Writer: the bytes sent with the transfer's completion notice. Receiver: the bytes that came
+    """Sender: the bytes sent with the transfer's completion notice. Receiver: the bytes that came
     with it, set once poll returns DONE (and kept after release)."""
     released: bool = False
     state: Any = None
@@ -291,7 +291,7 @@ class KVTransferBackend(Waitable, abc.ABC):
 
     Contract: `__init__` registers `buffers` once (they must outlive the backend); `info()` is
     sent to peers, which pass it to `connect()`; both sides connect to each other before the
-    first transfer. The writer calls `write`, the receiver `expect` with the same transfer_id
+    first transfer. The sender calls `write`, the receiver `expect` with the same transfer_id
     and the same dst pages; each polls its own handle until DONE or FAILED and releases it.
     Transfer ids are unique per (peer, direction) among unreleased handles. No method waits for
     the peer (NCCL's first transfer of a pair excepted: it creates the communicator); a backend
@@ -336,7 +336,7 @@ class KVTransferBackend(Waitable, abc.ABC):
     def write(
         self, peer: str, src_pages: Any, dst_pages: Any, transfer_id: str, message: bytes = b"", src_ready: bool = False
     ) -> TransferHandle:
-        """Start writing local src_pages into the peer's dst_pages, in every buffer (asynchronous; writer side).
+        """Start writing local src_pages into the peer's dst_pages, in every buffer (asynchronous; sender side).
         `message` (at most MAX_MESSAGE_BYTES) reaches the receiver's handle with the transfer's completion:
         when its expect is DONE, the pages and the message have both arrived.
 

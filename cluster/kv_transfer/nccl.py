@@ -1,11 +1,11 @@
-"""NcclBackend: KV pages over a 2-rank NCCL communicator per (writer, receiver) pair. GPU only.
+"""NcclBackend: KV pages over a 2-rank NCCL communicator per (sender, receiver) pair. GPU only.
 
 Pairs are made on demand at connect(): the side whose name sorts first is rank 0 and hosts
 the rendezvous (its TCPStore, address in PeerInfo.store_addr); both sides build a
 ProcessGroupNCCL over a store prefix naming both instances and a generation. NCCL itself
 creates the communicator at the pair's first transfer (≈0.5 s, both sides blocking in it).
 
-    writer                                               receiver
+    sender                                               receiver
     write(peer, src, dst, id, message)                   expect(peer, dst, id)
       runs = page_run_arrays(src, dst)                     poll: pop headers in order
       header {id, dst runs, message} ─▶ store queue ──────▶ match id → post the recvs
@@ -324,7 +324,7 @@ class NcclBackend(KVTransferBackend):
             del pair.expects[header["id"]]
             sent_dst = np.concatenate([np.arange(s, s + n) for s, n in runs]) if len(runs) else runs[:, 0]
             if not (np.array_equal(sent_dst, handle.state.dst) and np.array_equal(buffer_ids, handle.buffer_ids)):
-                handle.error = "the writer's dst pages or buffers differ from the expected ones"
+                handle.error = "the sender's dst pages or buffers differ from the expected ones"
                 self._drain_to_scratch(pair, runs, buffer_ids)
                 continue
             handle.state.work = self._post(pair, self._views(runs.tolist(), buffer_ids), send=False)

@@ -11,10 +11,10 @@ workers, `split_batch_size` 1, so every WRITE is posted and progressed on a dedi
 thread, which sleeps while no transfer is in flight): on NIXL's default path (shared worker,
 progress thread) a large GPU0→GPU1 WRITE stays well below the copy bandwidth whatever the
 descriptors, READ or UCX knobs, and on a dedicated worker it reaches it (benchmarks/README.md,
-KV transfer). The completion notice is sent when the writer's poll sees the data done. Known: a
+KV transfer). The completion notice is sent when the sender's poll sees the data done. Known: a
 WRITE to a peer that died leaves one UCX request object unreturned on this path (UCX warns at exit).
 
-    writer (prefill)                                   receiver (decode)
+    sender (prefill)                                   receiver (decode)
     write(peer, src, dst, id) ── UCX WRITE ──────────▶ buffers[b][dst pages]
         poll: check_xfer_state                         expect(peer, dst, id)
               └── notification "kv|" <header size> "<id>|<crc>" <message> ──▶ poll: DONE once it arrives
@@ -69,7 +69,7 @@ DEFAULT_THREADS = 1
 
 @dataclass
 class _Write:
-    """Writer-side state of one transfer."""
+    """Sender-side state of one transfer."""
 
     local: Any
     """Rows (address, bytes, device id) of the src runs (_run_rows: a list of tuples or an (n, 3) array)."""
@@ -87,7 +87,7 @@ class _Expect:
     """Receiver-side state of one transfer."""
 
     digest: int
-    """transfer_digest of the expected dst pages and buffers; the writer's notification must match."""
+    """transfer_digest of the expected dst pages and buffers; the sender's notification must match."""
     done: bool = False
 
 
@@ -313,7 +313,7 @@ class NixlBackend(KVTransferBackend):
             return TransferStatus.PENDING
         digest, _, message = arrived
         if digest != handle.state.digest:
-            handle.error = "the writer's dst pages or buffers differ from the expected ones (digest mismatch)"
+            handle.error = "the sender's dst pages or buffers differ from the expected ones (digest mismatch)"
             return TransferStatus.FAILED
         handle.state.done, handle.message = True, message
         return TransferStatus.DONE

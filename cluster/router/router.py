@@ -45,6 +45,8 @@ from cluster.workers.stats import WorkerStats
 from serving.response_store import LruResponses, StoredResponse, StoreLimits
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ray.serve.handle import DeploymentHandle
+
     from cluster.workers.base import WorkerReport
 
 logger = logging.getLogger("ray.serve")
@@ -114,8 +116,8 @@ class _Pool:
     """One worker pool as the router deployment tracks it."""
 
     name: str
-    handle: Any
-    """DeploymentHandle of the pool's Serve deployment (calls pinned by session_id)."""
+    handle: "DeploymentHandle"
+    """The pool's Serve deployment (calls pinned by session_id)."""
     router: PoolRouter
     deployment_id: Any
     members_version: int = -1
@@ -138,7 +140,7 @@ class _Pool:
 class RouterDeployment:
     async def __init__(
         self,
-        pools: Dict[str, Any],
+        pools: Dict[str, "DeploymentHandle"],
         policy: str,
         router_config: Dict[str, Any],
         report_interval_s: float = 0.5,

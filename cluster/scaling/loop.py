@@ -29,7 +29,7 @@ import collections
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Literal, Mapping, Optional, Protocol, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Literal, Mapping, Optional, Protocol, Sequence, Set, Tuple
 
 from cluster import membership
 from cluster.latency import LatencyWindow, RequestTiming
@@ -44,6 +44,9 @@ from cluster.scaling.models import (
 )
 from cluster.scaling.policy import PoolController, PoolSignals, ScalingConfig, p90, publish_target
 from cluster.workers.stats import WorkerStats
+
+if TYPE_CHECKING:  # pragma: no cover - annotations only: this module imports no Ray at import time
+    from ray.serve.handle import DeploymentHandle
 
 logger = logging.getLogger("ray.serve")
 
@@ -81,8 +84,8 @@ class ScaledPool(Protocol):
     the workers the router routes to and their last reports (read); a request to recompute the
     routing set, which subtracts `PoolScaler.excluded` (after a drain begins or ends)."""
 
-    handle: Any
-    """DeploymentHandle of the pool's workers (a drained replica's report() is called through it)."""
+    handle: "DeploymentHandle"
+    """The pool's workers (a drained replica's report() is called through it, pinned by session_id)."""
     deployment_id: Any
     """Serve's DeploymentID of the pool (membership.members reads its live replicas)."""
 

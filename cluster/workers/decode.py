@@ -1,9 +1,11 @@
 """DecodeWorker: a replica of the decode pool. It reserves pages for a prompt, has a prefill replica compute it
 and write its KV here, then decodes and streams to the ingress like a unified worker (docs/disaggregation.md).
 
+It is the handoff's receiver, the prefill replica its sender (docs/disaggregation.md, Vocabulary).
+
 Failures: every wait is bounded (the prefill call by PREFILL_CALL_TIMEOUT_S, the transfer by
 kv_transfer_timeout_s once the prompt is computed). Whatever fails, each engine frees its own pages — the
-prefill side's hold is released in a `finally`, this side's reservation is aborted when its stream ends
+sender's hold is released in a `finally`, this receiver's reservation is aborted when its stream ends
 early (engine.Engine.generate_stream) — and the request fails with PrefillFailedError before any token,
 so the ingress may retry it on a new pair.
 """
@@ -147,7 +149,7 @@ class DecodeWorker(KVEndpoint, WorkerBase):
         return handoff
 
     async def _first_of(self, result: "asyncio.Future", arrival: "asyncio.Future", handle) -> Any:
-        """The PrefillHandoff, as soon as the KV has landed here and the handoff is known: from the
+        """The SenderHandoff, as soon as the KV has landed here and the handoff is known: from the
         message that came with the KV (usually), else from the prefill call's result. Raises what the
         call or the transfer raised."""
         done, _ = await asyncio.wait([result, arrival], return_when=asyncio.FIRST_COMPLETED)
@@ -158,7 +160,7 @@ class DecodeWorker(KVEndpoint, WorkerBase):
                 return pickle.loads(handle.message)  # the call returns later (_count_call)
             return (await asyncio.shield(result)).handoff  # shielded: a failure here settles the call first
         handoff = result.result().handoff  # raises if the call failed
-        # The call returned first (the writer saw its write done): the completion notice is on its way.
+        # The call returned first (the sender saw its write done): the completion notice is on its way.
         done, _ = await asyncio.wait([arrival], timeout=self.transfer_timeout_s)
         if not done:
             raise KVTransferTimeout(

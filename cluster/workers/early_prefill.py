@@ -35,7 +35,7 @@ _ENDED_TTL_S = 3600.0
 @dataclass
 class StartedPrompt:
     task: "asyncio.Future"
-    """engine.prefill_for_handoff(...) → PrefillHandoff; cancelling it aborts the engine request."""
+    """engine.prefill_for_handoff(...) → SenderHandoff; cancelling it aborts the engine request."""
     engine_rid: str
     signature: tuple
     """(input_ids, params) it was started with: a claim must match them."""

@@ -1,6 +1,6 @@
-"""The KV handoff between a prefill and a decode replica: what crosses between them (docs/disaggregation.md).
-The decode side's counters are workers/stats.HandoffCounters; the transfer endpoint both sides own is
-workers/kv_endpoint.py."""
+"""The KV handoff from its sender (a prefill replica) to its receiver (a decode replica): what crosses between
+them (docs/disaggregation.md, Vocabulary). The receiver's counters are workers/stats.HandoffCounters; the
+transfer endpoint both sides own is workers/kv_endpoint.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ if TYPE_CHECKING:  # the types stay light to import: the ingress imports them, t
 
     from cluster.kv_transfer import PeerInfo
     from cluster.kv_transfer.ranked import RankedPeerInfo
-    from engine.scheduler.handoff import PrefillHandoff
+    from engine.scheduler.handoff import SenderHandoff
 
 
 PREFILL_CALL_TIMEOUT_S = 600.0
@@ -34,17 +34,17 @@ class PrefillFailedError(RuntimeError):
 
 @dataclass(frozen=True)
 class TransferTarget:
-    """Decode side → prefill side: where and how to write the prompt's KV."""
+    """Receiver → sender: where and how to write the prompt's KV."""
 
     replica_id: str
-    """The prefill replica the decode side expects to write (refused by any other)."""
+    """The prefill replica the receiver expects as the sender (refused by any other)."""
     peer: PeerInfo | RankedPeerInfo
-    """The decode replica's transfer endpoint (with tensor parallelism one PeerInfo per rank: each rank writes
+    """The receiver's transfer endpoint (with tensor parallelism one PeerInfo per rank: each rank writes
     its own heads' pages into the same rank's pool there)."""
     prefix_len: int
-    """Positions [0, prefix_len) are cached on the decode side; [prefix_len, prompt_len) are written."""
+    """Positions [0, prefix_len) are cached on the receiver; [prefix_len, prompt_len) are written."""
     dst_pages: np.ndarray
-    """(pages,) int64 decode-pool page ids of positions [prefix_len, prompt_len)."""
+    """(pages,) int64 receiver's page ids of positions [prefix_len, prompt_len)."""
     transfer_id: str
     early_key: str = ""
     """The key under which the ingress started this prompt on the prefill replica ("" if it did not)."""
@@ -52,17 +52,17 @@ class TransferTarget:
 
 @dataclass(frozen=True)
 class PrefillResult:
-    """Prefill side → decode side: the engine's PrefillHandoff and where the prefill call's time went."""
+    """Sender → receiver: the engine's SenderHandoff and where the prefill call's time went."""
 
-    handoff: PrefillHandoff
-    """The engine's handoff: first token, its logprobs, the prompt's pages on the prefill side."""
+    handoff: SenderHandoff
+    """The engine's handoff: first token, its logprobs, the prompt's pages on the sender."""
     compute_s: float
     """Queueing and computing the prompt in the prefill engine, from the call's arrival (a prompt the
     ingress started earlier counts only its part after that)."""
     transfer_s: float
-    """Writing the KV into the decode replica's pages, until the writer's handle is done."""
+    """Writing the KV into the receiver's pages, until the sender's handle is done."""
     entered_at: float
     left_at: float
-    """Wall clock (time.time()) when the call started and ended on the prefill replica: with the decode
-    side's own clock they split the call's transport time into out and back (exact on one host, to NTP
+    """Wall clock (time.time()) when the call started and ended on the prefill replica: with the
+    receiver's own clock they split the call's transport time into out and back (exact on one host, to NTP
     accuracy across hosts)."""

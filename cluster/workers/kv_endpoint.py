@@ -1,5 +1,5 @@
 """KVEndpoint: the KV transfer backend (cluster.kv_transfer) of a prefill or decode replica, over its engine's KV
-pool, and the message that carries a PrefillHandoff with the KV."""
+pool, and the message that carries a SenderHandoff with the KV."""
 
 import dataclasses
 import pickle
@@ -12,10 +12,10 @@ from cluster.kv_transfer.ranked import RankedPeerInfo, RankedTransfer
 
 
 def handoff_message(handoff: Any) -> bytes:
-    """The PrefillHandoff as the message that travels with its KV (without the source page ids, which only
-    the prefill side needs), so that the decode side can go on as soon as the bytes have landed instead of
-    when the prefill call returns; b"" when it does not fit one (large prompt_logprobs): the decode side
-    then takes the handoff from the call's result."""
+    """The SenderHandoff as the message that travels with its KV (without the source page ids, which only
+    the sender needs), so that the receiver can go on as soon as the bytes have landed instead of when the
+    prefill call returns; b"" when it does not fit one (large prompt_logprobs): the receiver then takes the
+    handoff from the call's result."""
     message = pickle.dumps(dataclasses.replace(handoff, src_pages=np.empty(0, dtype=np.int64)))
     return message if len(message) <= MAX_MESSAGE_BYTES else b""
 

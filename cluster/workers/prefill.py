@@ -1,5 +1,5 @@
 """PrefillWorker: a replica of the prefill pool. It computes prompts and writes their KV into decode replicas'
-pools (docs/disaggregation.md); prompts the ingress started early wait here until claimed
+pools: the handoff's sender (docs/disaggregation.md); prompts the ingress started early wait here until claimed
 (workers/early_prefill.py)."""
 
 import time
@@ -44,7 +44,7 @@ class PrefillWorker(KVEndpoint, WorkerBase):
     ) -> PrefillResult:
         """Compute the prompt (or claim the one the ingress started under target.early_key), write the KV of
         [target.prefix_len, prompt_len) into target.dst_pages, and return a PrefillResult with the engine's
-        PrefillHandoff (first token and logprobs). The hold on this replica's pages is released whatever
+        SenderHandoff (first token and logprobs). The hold on this replica's pages is released whatever
         happens."""
         if target.replica_id != self.replica_id:
             raise WrongReplicaError(

@@ -1,6 +1,6 @@
 """EngineCore: the scheduler loop of one replica and everything it owns.
 
-    inbox (AddRequest, AbortRequest, CompleteImport, ReleaseExport, CoreCall)
+    inbox (AddRequest, AbortRequest, CompleteReceive, ReleaseSent, CoreCall)
       ─▶ handle ─▶ Scheduler.step ─▶ ModelRunner ─▶ OutputProcessor ─▶ Req.on_output = collect
       ─▶ one StepOutputs per step (every request's news) ─▶ outbox
 
@@ -28,10 +28,10 @@ from engine.core.messages import (
     AbortRequest,
     AddRequest,
     CallResult,
-    CompleteImport,
+    CompleteReceive,
     CoreCall,
     CoreInfo,
-    ReleaseExport,
+    ReleaseSent,
     StepOutputs,
 )
 from engine.errors import EngineDeadError, InvalidConfigError, InvalidRequestError
@@ -163,10 +163,10 @@ class EngineCore:
                 for req in pending.reqs:
                     if req.rid == msg.rid or req.rid.startswith(msg.rid + "#"):
                         req.to_abort = True
-        elif isinstance(msg, CompleteImport):
-            self.scheduler.complete_import(msg.rid, msg.handoff)
-        elif isinstance(msg, ReleaseExport):
-            self.scheduler.release_export(msg.rid)
+        elif isinstance(msg, CompleteReceive):
+            self.scheduler.complete_receive(msg.rid, msg.handoff)
+        elif isinstance(msg, ReleaseSent):
+            self.scheduler.release_sent(msg.rid)
         elif isinstance(msg, CoreCall):
             try:
                 return CallResult(msg.call_id, getattr(self, "call_" + msg.method)(*msg.args))

@@ -1,6 +1,6 @@
 """The messages between an Engine (front end) and its EngineCore (scheduler), in both directions.
 
-    Engine ──AddRequest | AbortRequest | CompleteImport | ReleaseExport | CoreCall | Shutdown──▶ EngineCore
+    Engine ──AddRequest | AbortRequest | CompleteReceive | ReleaseSent | CoreCall | Shutdown──▶ EngineCore
     Engine ◀──CoreInfo (once, at start) | StepOutputs (one per step, every request's news) | CallResult──
 
 Plain picklable data: the same objects travel through a queue (core in a thread of this process) or
@@ -28,7 +28,8 @@ class AddRequest:
     seed: int
     """Choice i samples with seed + i."""
     handoff: Optional[str] = None
-    """None, "import" (decode side of a handoff) or "export" (prefill side); engine.scheduler.handoff."""
+    """None, "receiver" (a decode replica's side of a handoff) or "sender" (a prefill replica's side);
+    engine.scheduler.handoff."""
 
 
 @dataclass(frozen=True)
@@ -39,16 +40,16 @@ class AbortRequest:
 
 
 @dataclass(frozen=True)
-class CompleteImport:
-    """Decode side: the prompt's KV of `rid` landed; `handoff` is the prefill side's PrefillHandoff."""
+class CompleteReceive:
+    """Receiver: the prompt's KV of `rid` landed; `handoff` is the sender's SenderHandoff."""
 
     rid: str
     handoff: Any
 
 
 @dataclass(frozen=True)
-class ReleaseExport:
-    """Prefill side: the transfer of `rid` is over; its held pages go to the radix cache."""
+class ReleaseSent:
+    """Sender: the transfer of `rid` is over; its held pages go to the radix cache."""
 
     rid: str
 

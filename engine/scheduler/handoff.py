@@ -1,23 +1,27 @@
 """Handoff: the scheduler's side of prefill/decode disaggregation (one replica plays one role).
 
-    decode replica (import)                                 prefill replica (export)
-    ───────────────────────                                 ────────────────────────
-    add_import(req)        → importing (waits for memory)
-    reserve_imports()      → match own radix cache, lock it,
+A handoff moves a prompt's KV from the sender (the engine of a prefill replica, which computes the
+prompt and holds its pages) to the receiver (the engine of a decode replica, which reserves pages,
+receives the KV and decodes).
+
+    receiver (decode replica)                               sender (prefill replica)
+    ─────────────────────────                               ────────────────────────
+    add_request(req)       → pending (waits for memory)
+    reserve_receives()     → match own radix cache, lock it,
                              allocate [prefix_len, prompt_len)
                              → awaiting; caller gets a KVReservation ──▶ Engine.prefill_for_handoff
                                                                          computes the prompt (own radix cache)
-                                                                         export(): first token sampled, KV held
-                                                                         caller gets a PrefillHandoff, moves
+                                                                         send(): first token sampled, KV held
+                                                                         caller gets a SenderHandoff, moves
                                                                          pages src → dst (cluster.kv_transfer)
-    complete_import(rid, handoff) → first token appended,  ◀─ handoff ── release_export(rid): KV → radix cache
+    complete_receive(rid, handoff) → first token appended, ◀─ handoff ── release_sent(rid): KV → radix cache
                              prompt cached, request joins
                              the running batch and decodes
 
-Ownership: an awaiting import owns the slots of positions [prefix_len, prompt_len) (kv_len is set
+Ownership: an awaiting receive owns the slots of positions [prefix_len, prompt_len) (kv_len is set
 to prompt_len at reservation, so an abort frees exactly them, with `cache=False`: their content is
-not trusted until complete_import). A held export owns its row like a running request (its
-computed prefix is shared through the tree, locked) until release_export or an abort. Neither
+not trusted until complete_receive). A held send owns its row like a running request (its
+computed prefix is shared through the tree, locked) until release_sent or an abort. Neither
 kind is ever in `waiting` or `running`.
 """
 
@@ -38,27 +42,27 @@ from engine.scheduler.prefill import reserved_decode_tokens
 
 @dataclass(frozen=True)
 class KVReservation:
-    """Decode side → prefill side: where the prompt's KV must be written."""
+    """Receiver → sender: where the prompt's KV must be written."""
 
     rid: str
     prompt_len: int
     prefix_len: int
-    """Positions [0, prefix_len) are already cached on the decode replica (a multiple of page_size)."""
+    """Positions [0, prefix_len) are already cached on the receiver (a multiple of page_size)."""
     dst_pages: np.ndarray
-    """(pages,) int64: decode-pool page ids of positions [prefix_len, prompt_len), in position order."""
+    """(pages,) int64: the receiver's page ids of positions [prefix_len, prompt_len), in position order."""
     page_size: int
     seed: int
-    """The request's sampling seed: the prefill replica samples the first token with it."""
+    """The request's sampling seed: the sender samples the first token with it."""
 
 
 @dataclass(frozen=True)
-class PrefillHandoff:
-    """Prefill side → decode side: the computed prompt, while its pages are held."""
+class SenderHandoff:
+    """Sender → receiver: the computed prompt, while the sender holds its pages."""
 
     rid: str
     prompt_len: int
     src_pages: np.ndarray
-    """(pages,) int64: prefill-pool page ids of positions [0, prompt_len), in position order."""
+    """(pages,) int64: the sender's page ids of positions [0, prompt_len), in position order."""
     page_size: int
     first_token: int
     first_logprob: Optional[TokenLogprob]
@@ -66,7 +70,7 @@ class PrefillHandoff:
     prompt_logprobs: Optional[List[TokenLogprob]]
     """Set when the request asked for prompt logprobs."""
     cached_tokens: int
-    """Prompt tokens the prefill replica reused from its radix cache."""
+    """Prompt tokens the sender reused from its radix cache."""
 
     def pages_from(self, prefix_len: int) -> np.ndarray:
         """Source pages of positions [prefix_len, prompt_len) (prefix_len a multiple of page_size)."""
@@ -82,30 +86,30 @@ def _page_ids(slots: torch.Tensor, page_size: int) -> np.ndarray:
 class HandoffState:
     def __init__(self, kv: KVCacheManager, output: OutputProcessor, counters: Dict[str, int], new_token_ratio: float):
         self.kv, self.output, self.counters, self.ratio = kv, output, counters, new_token_ratio
-        self.importing: List[Req] = []
-        """Decode side: waiting for destination pages."""
+        self.pending: List[Req] = []
+        """Receiver: waiting for destination pages."""
         self.awaiting: Dict[str, Req] = {}
-        """Decode side: pages reserved, KV in flight."""
+        """Receiver: pages reserved, KV in flight."""
         self.held: Dict[str, Req] = {}
-        """Prefill side: prompt computed, pages held for the transfer."""
+        """Sender: prompt computed, pages held for the transfer."""
 
     def reqs(self) -> List[Req]:
-        return self.importing + list(self.awaiting.values()) + list(self.held.values())
+        return self.pending + list(self.awaiting.values()) + list(self.held.values())
 
     def forget(self, req: Req) -> None:
         """Drop an aborted request from every collection (the caller frees its KV)."""
-        if req in self.importing:
-            self.importing.remove(req)
+        if req in self.pending:
+            self.pending.remove(req)
         self.awaiting.pop(req.rid, None)
         self.held.pop(req.rid, None)
 
-    # ---- decode side ----------------------------------------------------------------------
-    def reserve_imports(self, running: List[Req]) -> bool:
-        """Reserve pages for waiting imports, in arrival order, while memory allows (keeping what the
+    # ---- receiver -------------------------------------------------------------------------
+    def reserve_receives(self, running: List[Req]) -> bool:
+        """Reserve pages for pending receives, in arrival order, while memory allows (keeping what the
         running requests are expected to still need). Returns True when one was reserved."""
         did = False
-        while self.importing:
-            req = self.importing[0]
+        while self.pending:
+            req = self.pending[0]
             kv = self.kv
             if kv.req_to_token_pool.available_size() == 0:
                 break
@@ -123,7 +127,7 @@ class HandoffState:
                 kv.release(req, cache=False)
                 break
             req.kv_len, req.extend_len = prompt_len, 0
-            self.importing.pop(0)
+            self.pending.pop(0)
             self.awaiting[req.rid] = req
             reservation = KVReservation(
                 req.rid, prompt_len, req.prefix_len, _page_ids(slots, kv.page_size), kv.page_size, req.seed
@@ -132,7 +136,7 @@ class HandoffState:
             did = True
         return did
 
-    def complete_import(self, rid: str, handoff: PrefillHandoff) -> Optional[Req]:
+    def complete_receive(self, rid: str, handoff: SenderHandoff) -> Optional[Req]:
         """The prompt's KV has landed: append the first token. Returns the request when it goes on
         decoding (the caller adds it to the running batch); None when it finished or is unknown
         (aborted meanwhile: its pages are already free)."""
@@ -155,14 +159,14 @@ class HandoffState:
         self.output.flush([req])
         return req
 
-    # ---- prefill side ---------------------------------------------------------------------
-    def export(self, req: Req, token: int, logprob: Optional[TokenLogprob]) -> None:
-        """The prompt of an export request is computed: hold its KV and tell the caller."""
+    # ---- sender ---------------------------------------------------------------------------
+    def send(self, req: Req, token: int, logprob: Optional[TokenLogprob]) -> None:
+        """The prompt of a sender's request is computed: hold its KV and give the caller its SenderHandoff."""
         prompt_len = len(req.origin_input_ids)
         self.kv.cache_unfinished(req)  # share the prompt with later requests while the transfer runs
         self.held[req.rid] = req
         slots = self.kv.req_to_token_pool.read(req.req_pool_idx, prompt_len)
-        handoff = PrefillHandoff(
+        handoff = SenderHandoff(
             req.rid,
             prompt_len,
             _page_ids(slots, self.kv.page_size),
@@ -174,7 +178,7 @@ class HandoffState:
         )
         req.on_output(_handoff_output(req, handoff))
 
-    def release_export(self, rid: str) -> None:
+    def release_sent(self, rid: str) -> None:
         """The transfer is over (done or failed): the held KV goes to the radix cache."""
         req = self.held.pop(rid, None)
         if req is None:

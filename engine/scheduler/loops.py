@@ -1,6 +1,6 @@
 """The scheduler's two loops, side by side: each runs the same stages of a Scheduler (scheduler.py),
 
-    process_aborts → reserve_imports → next_batch → prepare → run → commit_forward → process_tokens
+    process_aborts → reserve_receives → next_batch → prepare → run → commit_forward → process_tokens
 
 in a different order. `SerialLoop` finishes each batch before planning the next
 (EngineConfig.disable_overlap_schedule). `OverlapLoop` (the default) is overlap scheduling: the CPU plans
@@ -92,7 +92,7 @@ class InFlight:
     launched: LaunchedBatch
     futures: FutureMap
     detached: List[Req]
-    """Sampled requests that are in no queue while the batch runs (exports, requests certain to finish):
+    """Sampled requests that are in no queue while the batch runs (a sender's requests, requests certain to finish):
     an abort must still find them."""
     sync: bool
     """Some request needs its token before the next batch is planned (see `needs_sync`)."""
@@ -114,7 +114,7 @@ class SerialLoop:
         """Run one batch. False when there was nothing to do."""
         s = self.s
         s.process_aborts()
-        reserved = s.reserve_imports()
+        reserved = s.reserve_receives()
         batch = s.next_batch()
         if batch is None:
             return reserved
@@ -141,7 +141,7 @@ class OverlapLoop:
         s = self.s
         synced = self.inflight is not None and self.inflight.sync and self._process_inflight()
         s.process_aborts()
-        reserved = s.reserve_imports()
+        reserved = s.reserve_receives()
         batch = s.next_batch()
         if batch is None:  # nothing to overlap with: finish the batch in flight now
             return self._process_inflight() or reserved or synced

@@ -24,7 +24,7 @@ MAX_RESERVED_NEW_TOKENS = 4096
 
 
 def reserved_decode_tokens(req: Req, ratio: float) -> int:
-    if req.handoff == "export":  # decodes elsewhere
+    if req.handoff == "sender":  # decodes elsewhere
         return 0
     remaining = req.sampling_params.max_new_tokens - len(req.output_ids)
     return int(min(max(remaining, 0), MAX_RESERVED_NEW_TOKENS) * ratio)

@@ -17,7 +17,7 @@ unchanged output). The scheduler is single-threaded: the Engine calls `step()`
 from its loop thread and feeds requests and aborts through its own queue.
 
 This class owns the queues and the stages of a step (process_aborts,
-reserve_imports, next_batch, commit_forward, process_tokens); loops.py runs them:
+reserve_receives, next_batch, commit_forward, process_tokens); loops.py runs them:
 SerialLoop one batch after the other, OverlapLoop (the default) with batch N+1
 launched before batch N's results are processed.
 """
@@ -64,26 +64,26 @@ class Scheduler:
             mixed_steps=0,
         )
         self.handoff = HandoffState(kv, self.output, self.counters, config.new_token_ratio)
-        """Disaggregation: requests importing or exporting their prompt's KV (never in waiting/running)."""
+        """Disaggregation: requests receiving or sending their prompt's KV (never in waiting/running)."""
         self.loop = SerialLoop(self) if config.disable_overlap_schedule else OverlapLoop(self)
         """What runs the stages (loops.py): OverlapLoop launches batch N+1 before processing batch N's results."""
 
     # ---- inputs --------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
-        if req.handoff == "import":
-            self.handoff.importing.append(req)
+        if req.handoff == "receiver":
+            self.handoff.pending.append(req)
         else:
             self.waiting.append(req)
 
-    def complete_import(self, rid: str, handoff) -> None:
-        """Disaggregation, decode side: the prompt's KV of `rid` has landed (see handoff.py)."""
-        req = self.handoff.complete_import(rid, handoff)
+    def complete_receive(self, rid: str, handoff) -> None:
+        """Disaggregation, receiver: the prompt's KV of `rid` has landed (see handoff.py)."""
+        req = self.handoff.complete_receive(rid, handoff)
         if req is not None:
             self.running.append(req)
 
-    def release_export(self, rid: str) -> None:
-        """Disaggregation, prefill side: the transfer of `rid` is over; its KV goes to the radix cache."""
-        self.handoff.release_export(rid)
+    def release_sent(self, rid: str) -> None:
+        """Disaggregation, sender: the transfer of `rid` is over; its KV goes to the radix cache."""
+        self.handoff.release_sent(rid)
 
     def abort(self, rid: str) -> None:
         """Mark every request with this rid (or `rid-<i>` children of an n > 1 group) for abort."""
@@ -102,7 +102,7 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(
-            self.waiting or self.running or self.chunked_req or self.handoff.importing or self.loop.inflight is not None
+            self.waiting or self.running or self.chunked_req or self.handoff.pending or self.loop.inflight is not None
         )
 
     def _all_reqs(self) -> List[Req]:
@@ -120,9 +120,9 @@ class Scheduler:
         return self.loop.step()
 
     # ---- the stages of a step (run by loops.py) ------------------------------------------
-    def reserve_imports(self) -> bool:
-        """Disaggregation, decode side: reserve pages for prompts being imported. True when it did any."""
-        return bool(self.handoff.importing) and self.handoff.reserve_imports(self.running)
+    def reserve_receives(self) -> bool:
+        """Disaggregation, receiver: reserve pages for prompts to receive. True when it did any."""
+        return bool(self.handoff.pending) and self.handoff.reserve_receives(self.running)
 
     def next_batch(self) -> Optional[ScheduleBatch]:
         """The next batch: a prefill (mixed, with `enable_mixed_chunk`) when waiting requests fit, else a
@@ -219,7 +219,7 @@ class Scheduler:
     def commit_forward(self, batch: ScheduleBatch) -> None:
         """What a launched forward changes, whatever tokens it samples: the computed positions, the
         chunked request's prefix shared through the cache, and prefilled requests joining the running
-        batch (except exports and those certain to finish with this token). Overlap scheduling calls it
+        batch (except a sender's requests and those certain to finish with this token). Overlap scheduling calls it
         at launch, before the tokens are known; one that then finishes leaves in `process_tokens`."""
         for req in batch.reqs:
             req.kv_len += req.extend_len
@@ -228,7 +228,7 @@ class Scheduler:
             self.kv.cache_unfinished(batch.chunked_req)
         if batch.mode is ForwardMode.EXTEND:
             for req in batch.sampled_reqs[batch.num_decode :]:  # decode rows of a mixed batch already run
-                if req.handoff != "export" and len(req.output_ids) + 1 < req.sampling_params.max_new_tokens:
+                if req.handoff != "sender" and len(req.output_ids) + 1 < req.sampling_params.max_new_tokens:
                     self.kv.cache_unfinished(req)
                     self.running.append(req)
 
@@ -243,8 +243,8 @@ class Scheduler:
         for i, req in enumerate(batch.sampled_reqs):
             if req.finished:
                 continue
-            if req.handoff == "export":
-                self._export(req, result, i)
+            if req.handoff == "sender":
+                self._send(req, result, i)
                 continue
             self.output.append_token(req, result, i)
             self.counters["generated_tokens"] += 1
@@ -257,13 +257,13 @@ class Scheduler:
                     self.waiting.remove(req)
         self.output.flush(live)
 
-    def _export(self, req: Req, result, row: int) -> None:
-        """Prefill side: hand the computed prompt over instead of decoding it here."""
+    def _send(self, req: Req, result, row: int) -> None:
+        """Sender: hand the computed prompt over instead of decoding it here."""
         token = result.next_token_ids[row]
         logprob = None
         if result.logprobs is not None:
             logprob = TokenLogprob(token, result.logprobs[row], result.top_logprobs[row])
-        self.handoff.export(req, token, logprob)
+        self.handoff.send(req, token, logprob)
 
     # ---- introspection ------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -272,7 +272,7 @@ class Scheduler:
         prompt = self.counters["prompt_tokens"]
         return EngineStats(
             running=len(self.running) + (1 if self.chunked_req else 0),
-            waiting=len(self.waiting) + len(self.handoff.importing),
+            waiting=len(self.waiting) + len(self.handoff.pending),
             handoff_in_flight=len(self.handoff.awaiting) + len(self.handoff.held),
             kv_total_tokens=alloc.size,
             kv_free_tokens=alloc.available_size(),

@@ -173,7 +173,8 @@ def _wait_replaced(http, pool: str, dead: str) -> None:
 
 def test_prefill_replica_killed_mid_request(http):
     """The prefill dies while computing a long prompt: nothing was streamed, so the request is retried
-    on the replacement replica (or fails with an error) — never hangs; the decode side leaks nothing."""
+    on the replacement replica (or fails with an error) — never hangs; the decode replica (the receiver) leaks
+    nothing."""
     dead, outcome, elapsed = _kill_during(http, "Prefill", 0.3, stream=False)
     assert elapsed < 150
     if isinstance(outcome, httpx.Response):
@@ -187,7 +188,7 @@ def test_prefill_replica_killed_mid_request(http):
 
 def test_decode_replica_killed_mid_stream(http):
     """The decode dies while streaming: the client's stream ends (with an error event) in bounded time;
-    the prefill side leaks nothing; the replacement serves later requests."""
+    the prefill replica (the sender) leaks nothing; the replacement serves later requests."""
     dead, outcome, elapsed = _kill_during(http, "Decode", 1.5, stream=True)
     assert elapsed < 150
     _wait_replaced(http, "decode", dead)

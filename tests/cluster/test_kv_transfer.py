@@ -1,8 +1,8 @@
 """KV page transfer between two OS processes: NIXL over host memory (CPU), NCCL on 2 GPUs.
 
-The test process runs the writer (prefill side); a spawned child runs the receiver (decode
-side, a pool of a different size). Data is checked page by page on the receiver: dst pages
-hold the writer's src pages, every other page is untouched.
+The test process runs the sender (as a prefill replica does); a spawned child runs the receiver (as a
+decode replica does, over a pool of a different size). Data is checked page by page on the receiver: dst pages
+hold the sender's src pages, every other page is untouched.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from cluster.kv_transfer import (
 )
 from kv_transfer_harness import NUM_LAYERS, PAGE_SIZE, PeerProcess, fill, make_pool
 
-WRITER_PAGES, READER_PAGES = 64, 48
+SENDER_PAGES, RECEIVER_PAGES = 64, 48
 _ids = itertools.count()
 
 
@@ -57,19 +57,19 @@ def _random_pages(rng: np.random.Generator, num_pages: int, n: int) -> list[int]
 
 @pytest.fixture(scope="module")
 def nixl_pair():
-    """(writer backend, its buffers, receiver PeerProcess), connected both ways."""
-    pool = make_pool(WRITER_PAGES)
+    """(sender backend, its buffers, receiver PeerProcess), connected both ways."""
+    pool = make_pool(SENDER_PAGES)
     buffers = kv_pool_buffers(pool)
     fill(buffers, seed=1)
-    writer = make_backend("nixl", "prefill-0", buffers, PAGE_SIZE)
-    reader = PeerProcess("nixl", "decode-0", READER_PAGES)
+    sender = make_backend("nixl", "prefill-0", buffers, PAGE_SIZE)
+    receiver = PeerProcess("nixl", "decode-0", RECEIVER_PAGES)
     try:
-        reader.call("connect", writer.info())
-        writer.connect(reader.call("info"))
-        yield writer, buffers, reader
+        receiver.call("connect", sender.info())
+        sender.connect(receiver.call("info"))
+        yield sender, buffers, receiver
     finally:
-        reader.close()
-        writer.close()
+        receiver.close()
+        sender.close()
 
 
 def test_page_runs_coalesce_consecutive_pages_on_both_sides():
@@ -124,7 +124,7 @@ def test_page_checks_reject_bad_ids_on_both_paths():
             check_pages(np.array(pages, dtype=np.int64), 40, "p", unique=True)
     with pytest.raises(KVTransferError, match="duplicate"):
         check_pages(np.array([3, 5, 3], dtype=np.int64), 40, "p", unique=True)
-    check_pages(np.array([3, 5, 3], dtype=np.int64), 40, "p", unique=False)  # a writer may send a page twice
+    check_pages(np.array([3, 5, 3], dtype=np.int64), 40, "p", unique=False)  # a sender may send a page twice
     check_pages(np.array([1, 2, 39], dtype=np.int64), 40, "p", unique=True)
 
 
@@ -142,37 +142,37 @@ def test_descriptor_rows_are_the_same_as_list_or_array():
 
 
 def test_nixl_random_pages_arrive_with_notification(nixl_pair):
-    writer, buffers, reader = nixl_pair
+    sender, buffers, receiver = nixl_pair
     rng = np.random.default_rng(0)
-    src = _random_pages(rng, WRITER_PAGES, 30)
-    dst = _random_pages(rng, READER_PAGES, 30)
+    src = _random_pages(rng, SENDER_PAGES, 30)
+    dst = _random_pages(rng, RECEIVER_PAGES, 30)
     t1, t2 = _tid(), _tid()
     # Two transfers in flight, expected in one order and written in the other.
-    reader.start_call("expect_many", "prefill-0", [(dst[:20], t1), (dst[20:], t2)], 30.0)
+    receiver.start_call("expect_many", "prefill-0", [(dst[:20], t1), (dst[20:], t2)], 30.0)
     handles = [
-        writer.write("decode-0", src[20:], dst[20:], t2, message=b"second \x00\xff|"),
-        writer.write("decode-0", src[:20], dst[:20], t1),
+        sender.write("decode-0", src[20:], dst[20:], t2, message=b"second \x00\xff|"),
+        sender.write("decode-0", src[:20], dst[:20], t1),
     ]
-    assert handles[1].nbytes == 20 * writer.layout.page_bytes * writer.layout.num_buffers
+    assert handles[1].nbytes == 20 * sender.layout.page_bytes * sender.layout.num_buffers
     for handle in handles:
-        asyncio.run(writer.wait(handle, 30.0))
+        asyncio.run(sender.wait(handle, 30.0))
     # returns only once both notifications arrived, each with its own message (binary-safe)
-    assert reader.finish_call() == [b"", b"second \x00\xff|"]
-    assert all(h.released for h in handles) and not writer._live
-    _check_received(reader.call("buffers_cpu"), buffers, src, dst)
+    assert receiver.finish_call() == [b"", b"second \x00\xff|"]
+    assert all(h.released for h in handles) and not sender._live
+    _check_received(receiver.call("buffers_cpu"), buffers, src, dst)
 
     # The notification may also come before the receiver expects it (torch tensors as page lists).
-    free = sorted(set(range(1, READER_PAGES)) - set(dst), reverse=True)
+    free = sorted(set(range(1, RECEIVER_PAGES)) - set(dst), reverse=True)
     src2, dst2 = torch.tensor([60, 61, 62]), torch.tensor(free[:3])  # descending: three runs
     tid = _tid()
-    writer.wait_sync(writer.write("decode-0", src2, dst2, tid, message=b"m" * MAX_MESSAGE_BYTES), 30.0)
-    assert reader.call("expect", "prefill-0", dst2, tid, 30.0) == b"m" * MAX_MESSAGE_BYTES
-    _check_received(reader.call("buffers_cpu"), buffers, src + src2.tolist(), dst + dst2.tolist())
-    assert reader.call("live_handles") == 0
+    sender.wait_sync(sender.write("decode-0", src2, dst2, tid, message=b"m" * MAX_MESSAGE_BYTES), 30.0)
+    assert receiver.call("expect", "prefill-0", dst2, tid, 30.0) == b"m" * MAX_MESSAGE_BYTES
+    _check_received(receiver.call("buffers_cpu"), buffers, src + src2.tolist(), dst + dst2.tolist())
+    assert receiver.call("live_handles") == 0
 
 
 def test_nixl_shared_worker_path_still_moves_pages():
-    """num_threads=0 (RADIXSERVE_NIXL_THREADS=0) keeps NIXL's shared worker and progress thread; a writer on that
+    """num_threads=0 (RADIXSERVE_NIXL_THREADS=0) keeps NIXL's shared worker and progress thread; a sender on that
     path reaches a receiver on the default dedicated worker with data and message intact. A negative thread
     count is refused."""
     pool = make_pool(16)
@@ -180,66 +180,66 @@ def test_nixl_shared_worker_path_still_moves_pages():
     fill(buffers, seed=3)
     with pytest.raises(KVTransferError, match="threads"):
         make_backend("nixl", "prefill-bad-threads", buffers, PAGE_SIZE, num_threads=-1)
-    writer = make_backend("nixl", "prefill-shared", buffers, PAGE_SIZE, num_threads=0)
-    reader = PeerProcess("nixl", "decode-shared", 16)
+    sender = make_backend("nixl", "prefill-shared", buffers, PAGE_SIZE, num_threads=0)
+    receiver = PeerProcess("nixl", "decode-shared", 16)
     try:
-        assert writer.num_threads == 0
-        reader.call("connect", writer.info())
-        writer.connect(reader.call("info"))
+        assert sender.num_threads == 0
+        receiver.call("connect", sender.info())
+        sender.connect(receiver.call("info"))
         src, dst = [10, 11, 12, 13, 2], [3, 4, 5, 6, 7]
         tid = _tid()
-        writer.wait_sync(writer.write("decode-shared", src, dst, tid, message=b"shared"), 30.0)
-        assert reader.call("expect", "prefill-shared", dst, tid, 30.0) == b"shared"
-        _check_received(reader.call("buffers_cpu"), buffers, src, dst)
+        sender.wait_sync(sender.write("decode-shared", src, dst, tid, message=b"shared"), 30.0)
+        assert receiver.call("expect", "prefill-shared", dst, tid, 30.0) == b"shared"
+        _check_received(receiver.call("buffers_cpu"), buffers, src, dst)
     finally:
-        reader.close()
-        writer.close()
+        receiver.close()
+        sender.close()
 
 
 def test_nixl_moves_one_region_per_page_run_of_a_token_major_pool(nixl_pair):
-    _, _, reader = nixl_pair
+    _, _, receiver = nixl_pair
     pool = make_pool(16)
-    writer = make_backend("nixl", "prefill-telemetry", kv_pool_buffers(pool), PAGE_SIZE, capture_telemetry=True)
+    sender = make_backend("nixl", "prefill-telemetry", kv_pool_buffers(pool), PAGE_SIZE, capture_telemetry=True)
     try:
-        reader.call("connect", writer.info())
-        writer.connect(reader.call("info"))
+        receiver.call("connect", sender.info())
+        sender.connect(receiver.call("info"))
         src, dst = [3, 4, 5, 9, 10, 2], [7, 8, 9, 1, 11, 12]  # runs: 3-5→7-9, 9→1, 10→11, 2→12
-        handle = writer.write("decode-0", src, dst, _tid())
-        while writer.poll(handle) is TransferStatus.PENDING:
+        handle = sender.write("decode-0", src, dst, _tid())
+        while sender.poll(handle) is TransferStatus.PENDING:
             time.sleep(0.001)
-        assert writer.poll(handle) is TransferStatus.DONE
+        assert sender.poll(handle) is TransferStatus.DONE
         # The pool is token-major: one buffer, so a run is one region across all layers' K and V.
-        assert writer.layout.num_buffers == 1
-        assert writer.layout.page_bytes == PAGE_SIZE * pool.bytes_per_token(
+        assert sender.layout.num_buffers == 1
+        assert sender.layout.page_bytes == PAGE_SIZE * pool.bytes_per_token(
             NUM_LAYERS, pool.num_kv_heads, pool.head_dim, pool.dtype
         )
-        assert writer.regions(handle) == len(page_runs(np.array(src), np.array(dst))) == 4
-        writer.release(handle)
+        assert sender.regions(handle) == len(page_runs(np.array(src), np.array(dst))) == 4
+        sender.release(handle)
     finally:
-        writer.close()
+        sender.close()
 
 
 def test_nixl_receiver_rejects_a_write_to_other_pages(nixl_pair):
-    writer, _, reader = nixl_pair
+    sender, _, receiver = nixl_pair
     tid = _tid()
-    reader.start_call("expect", "prefill-0", [30, 31], tid, 30.0)
-    writer.wait_sync(writer.write("decode-0", [1, 2], [30, 32], tid), 30.0)
+    receiver.start_call("expect", "prefill-0", [30, 31], tid, 30.0)
+    sender.wait_sync(sender.write("decode-0", [1, 2], [30, 32], tid), 30.0)
     with pytest.raises(KVTransferError, match="digest mismatch"):
-        reader.finish_call()
+        receiver.finish_call()
 
 
 def test_nixl_expect_never_written_times_out_and_releases(nixl_pair):
-    writer, _, reader = nixl_pair
+    sender, _, receiver = nixl_pair
     with pytest.raises(KVTransferTimeout):
-        reader.call("expect", "prefill-0", [5], _tid(), 0.3)
-    assert reader.call("live_handles") == 0
-    handle = writer.expect("decode-0", [5], _tid())
+        receiver.call("expect", "prefill-0", [5], _tid(), 0.3)
+    assert receiver.call("live_handles") == 0
+    handle = sender.expect("decode-0", [5], _tid())
     with pytest.raises(KVTransferTimeout):
-        asyncio.run(writer.wait(handle, 0.2))
-    assert handle.released and not writer._live
+        asyncio.run(sender.wait(handle, 0.2))
+    assert handle.released and not sender._live
     with pytest.raises(KVTransferError, match="already released"):
-        writer.poll(handle)
-    writer.release(handle)  # idempotent
+        sender.poll(handle)
+    sender.release(handle)  # idempotent
 
 
 @pytest.mark.parametrize(
@@ -258,41 +258,41 @@ def test_nixl_expect_never_written_times_out_and_releases(nixl_pair):
     ],
 )
 def test_nixl_invalid_pages_raise(nixl_pair, src, dst, match):
-    writer, _, _ = nixl_pair
+    sender, _, _ = nixl_pair
     with pytest.raises(KVTransferError, match=match):
-        writer.write("decode-0", src, dst, _tid())
-    assert not writer._live
+        sender.write("decode-0", src, dst, _tid())
+    assert not sender._live
 
 
 def test_nixl_invalid_peers_ids_and_layouts_raise(nixl_pair):
-    writer, _, reader = nixl_pair
+    sender, _, receiver = nixl_pair
     with pytest.raises(KVTransferError, match="unknown peer 'decode-9'"):
-        writer.write("decode-9", [1], [1], _tid())
+        sender.write("decode-9", [1], [1], _tid())
     with pytest.raises(KVTransferError, match="unknown peer"):
-        writer.expect("decode-9", [1], _tid())
+        sender.expect("decode-9", [1], _tid())
     with pytest.raises(KVTransferError, match="transfer_id"):
-        writer.expect("decode-0", [1], "")
+        sender.expect("decode-0", [1], "")
     with pytest.raises(KVTransferError, match="message must be bytes of at most"):
-        writer.write("decode-0", [1], [1], _tid(), message=b"x" * (MAX_MESSAGE_BYTES + 1))
-    assert not writer._live
-    handle = writer.expect("decode-0", [1], "same-id")
+        sender.write("decode-0", [1], [1], _tid(), message=b"x" * (MAX_MESSAGE_BYTES + 1))
+    assert not sender._live
+    handle = sender.expect("decode-0", [1], "same-id")
     with pytest.raises(KVTransferError, match="already in flight"):
-        writer.expect("decode-0", [2], "same-id")
-    writer.release(handle)
+        sender.expect("decode-0", [2], "same-id")
+    sender.release(handle)
 
     other = make_backend("nixl", "decode-bf16", kv_pool_buffers(make_pool(8, dtype=torch.bfloat16)), PAGE_SIZE)
     try:
         with pytest.raises(KVTransferError, match="page_bytes: local 1024 vs peer 512.*dtype"):
-            writer.connect(other.info())
+            sender.connect(other.info())
     finally:
         other.close()
     with pytest.raises(KVTransferError, match="own name"):
-        writer.connect(writer.info())
+        sender.connect(sender.info())
     with pytest.raises(KVTransferError, match="page_size"):
         make_backend("nixl", "x", kv_pool_buffers(make_pool(8)), 3)
     with pytest.raises(KVTransferError, match="unknown KV transfer backend"):
         make_backend("carrier-pigeon", "x", kv_pool_buffers(make_pool(8)), PAGE_SIZE)
-    writer.connect(reader.call("info"))  # idempotent: same instance, nothing changes
+    sender.connect(receiver.call("info"))  # idempotent: same instance, nothing changes
 
 
 def test_nccl_rejects_cpu_buffers():
@@ -303,20 +303,20 @@ def test_nccl_rejects_cpu_buffers():
 def test_nixl_write_to_dead_peer_fails_within_bound_and_releases():
     pool = make_pool(16)
     fill(kv_pool_buffers(pool), seed=2)
-    writer = make_backend("nixl", "prefill-dead", kv_pool_buffers(pool), PAGE_SIZE)
-    reader = PeerProcess("nixl", "decode-dead", 16)
+    sender = make_backend("nixl", "prefill-dead", kv_pool_buffers(pool), PAGE_SIZE)
+    receiver = PeerProcess("nixl", "decode-dead", 16)
     try:
-        reader.call("connect", writer.info())
-        writer.connect(reader.call("info"))
-        writer.wait_sync(writer.write("decode-dead", [1, 2], [3, 4], _tid()), 30.0)  # connection is up
-        reader.kill()
-        handle = writer.write("decode-dead", list(range(1, 16)), list(range(1, 16)), _tid())
+        receiver.call("connect", sender.info())
+        sender.connect(receiver.call("info"))
+        sender.wait_sync(sender.write("decode-dead", [1, 2], [3, 4], _tid()), 30.0)  # connection is up
+        receiver.kill()
+        handle = sender.write("decode-dead", list(range(1, 16)), list(range(1, 16)), _tid())
         with pytest.raises(KVTransferError):  # a failure or a KVTransferTimeout, whichever UCX sees first
-            asyncio.run(writer.wait(handle, 5.0))
-        assert handle.released and not writer._live
+            asyncio.run(sender.wait(handle, 5.0))
+        assert handle.released and not sender._live
     finally:
-        reader.close()
-        writer.close()
+        receiver.close()
+        sender.close()
 
 
 @pytest.mark.gpu
@@ -324,29 +324,29 @@ def test_nccl_random_pages_between_two_gpus():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA devices")
     torch.cuda.set_device(0)
-    pool = make_pool(WRITER_PAGES, device="cuda:0")
+    pool = make_pool(SENDER_PAGES, device="cuda:0")
     buffers = kv_pool_buffers(pool)
     fill(buffers, seed=3)
-    writer = make_backend("nccl", "prefill-nccl", buffers, PAGE_SIZE)
-    reader = PeerProcess("nccl", "decode-nccl", READER_PAGES, device="cuda:1")
+    sender = make_backend("nccl", "prefill-nccl", buffers, PAGE_SIZE)
+    receiver = PeerProcess("nccl", "decode-nccl", RECEIVER_PAGES, device="cuda:1")
     try:
-        reader.call("connect", writer.info())
-        writer.connect(reader.call("info"))
+        receiver.call("connect", sender.info())
+        sender.connect(receiver.call("info"))
         rng = np.random.default_rng(1)
-        src = _random_pages(rng, WRITER_PAGES, 30)
-        dst = _random_pages(rng, READER_PAGES, 30)
+        src = _random_pages(rng, SENDER_PAGES, 30)
+        dst = _random_pages(rng, RECEIVER_PAGES, 30)
         # Two transfers expected in one order and written in the other: NCCL matches by order,
         # the backend by transfer id.
-        reader.start_call("expect_many", "prefill-nccl", [(dst[:20], "n1"), (dst[20:], "n2")], 60.0)
+        receiver.start_call("expect_many", "prefill-nccl", [(dst[:20], "n1"), (dst[20:], "n2")], 60.0)
         handles = [
-            writer.write("decode-nccl", src[20:], dst[20:], "n2", message=b"\x00two"),
-            writer.write("decode-nccl", src[:20], dst[:20], "n1"),
+            sender.write("decode-nccl", src[20:], dst[20:], "n2", message=b"\x00two"),
+            sender.write("decode-nccl", src[:20], dst[:20], "n1"),
         ]
         for handle in handles:
-            writer.wait_sync(handle, 60.0)
-        assert reader.finish_call() == [b"", b"\x00two"]
-        assert not writer._live and reader.call("live_handles") == 0
-        _check_received(reader.call("buffers_cpu"), [b.cpu() for b in buffers], src, dst)
+            sender.wait_sync(handle, 60.0)
+        assert receiver.finish_call() == [b"", b"\x00two"]
+        assert not sender._live and receiver.call("live_handles") == 0
+        _check_received(receiver.call("buffers_cpu"), [b.cpu() for b in buffers], src, dst)
     finally:
-        reader.close()
-        writer.close()
+        receiver.close()
+        sender.close()

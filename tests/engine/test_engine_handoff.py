@@ -1,4 +1,5 @@
-"""Prefill/decode handoff at the engine level (engine.scheduler.handoff), two engines in one process.
+"""Prefill/decode handoff at the engine level (engine.scheduler.handoff), two engines in one process: the
+sender (`prefill`) and the receiver (`decode`).
 
 The KV pages move with a plain in-process copy between the two engines' pools (the cluster moves
 them with cluster.kv_transfer); what is checked here is the engine contract: greedy outputs equal
@@ -49,7 +50,7 @@ def wait_idle(engine) -> None:
 
 
 async def disaggregated(prefill, decode, prompt, params, rid, fail_at=None):
-    """Run one request: decode reserves pages, prefill computes and hands over, decode streams."""
+    """Run one request: the receiver reserves pages, the sender computes and hands over, the receiver streams."""
     seen = {}
 
     async def remote_prefill(reservation):
@@ -135,8 +136,8 @@ def test_failures_free_every_page_on_both_sides(engines, fail_at):
 
 
 def test_client_cancel_while_waiting_for_prefill(engines):
-    """The decode stream is cancelled while the prefill runs: its reserved pages are freed; the prefill
-    side's own cancellation aborts its request."""
+    """The decode stream is cancelled while the prefill runs: its reserved pages are freed; the sender's
+    own cancellation aborts its request."""
     _, prefill, decode = engines
 
     async def main():

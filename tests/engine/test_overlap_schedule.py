@@ -239,10 +239,10 @@ def test_next_batch_is_launched_before_the_previous_is_processed(engines):
     assert all(gap == [1] for k, _, gap in off[1:] if k == "L"), off  # input token on the host
 
 
-@pytest.mark.parametrize("handoff", [None, "export"])
+@pytest.mark.parametrize("handoff", [None, "sender"])
 def test_abort_reaches_a_request_only_in_flight(engines, handoff):
     """A request whose prefill is in flight and that joined no queue (it finishes with its first token, or
-    it is a disaggregation export) is still found by an abort: no token, no handoff, no page kept. The
+    it is a disaggregation sender's) is still found by an abort: no token, no handoff, no page kept. The
     scheduler is driven step by step inside the engine's loop thread."""
     engine, outputs = engines[True], []
     scheduler = engine.scheduler
