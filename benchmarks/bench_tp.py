@@ -70,7 +70,7 @@ def measure(folder: str, tp: int, args_dict: Dict, overrides: Optional[Dict] = N
     with Engine(**kwargs) as engine:
         result["startup_s"] = time.perf_counter() - start
         greedy = dict(temperature=0.0, ignore_eos=True)
-        tpot_prompts = iter(_prompts(2 * args.tpot_trials + 1, args.tpot_input_len, vocab, seed=1))
+        tpot_prompts = iter(_prompts(2 * args.tpot_trials + 2, args.tpot_input_len, vocab, seed=1))
 
         def timed(max_new: int) -> float:
             t0 = time.perf_counter()
