@@ -10,11 +10,14 @@ url = SHARED_SERVE.deploy("name", lambda: ClusterArgs(...))
 """
 
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import socket
+import subprocess
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 WORKER_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
@@ -156,6 +159,47 @@ SHARED_SERVE = SharedServe(
 """Ray and Serve with HAProxy in front for these modules, run one after another (tests/cluster/conftest.py
 orders them so): the pool-scaling tests' application (pools_harness.py), test_admission.py's, then the
 disaggregated one (disagg_harness.py), then its tensor-parallel variant (test_disaggregated_tp.py)."""
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SERVE_SH_URL = "http://127.0.0.1:8000"
+"""Where `bash deploy/serve.sh` answers (Serve's default HTTP port)."""
+
+
+@contextlib.contextmanager
+def serve_sh(*args: str, log_path: str, timeout: float = 300.0) -> Iterator[subprocess.Popen]:
+    """`bash deploy/serve.sh ARGS` (the README's run command) in a session of its own, output to `log_path`,
+    until its OpenAI endpoint on SERVE_SH_URL lists a model (at most `timeout` s). Yields the process; on
+    exit, if it still runs, SIGTERM (its drain, as a user stops it), then SIGKILL of its group after 120 s."""
+    with socket.socket() as s:
+        if s.connect_ex(("127.0.0.1", 8000)) == 0:
+            raise AssertionError("port 8000 is taken: deploy/serve.sh needs it")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            ["bash", os.path.join(ROOT, "deploy", "serve.sh"), *args],
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+
+            def up() -> bool:
+                if proc.poll() is not None:
+                    raise AssertionError(f"serve.sh {' '.join(args)} exited with {proc.returncode}; see {log_path}")
+                return _answers(f"{SERVE_SH_URL}/v1/models")
+
+            wait_for(up, timeout, f"serve.sh {' '.join(args)} to answer (log: {log_path})", interval=1.0)
+            yield proc
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
 
 
 def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.25):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 from typing import Dict, Iterator, List
@@ -24,13 +23,11 @@ from typing import Dict, Iterator, List
 import httpx
 import pytest
 
-from cluster_harness import router_stats, wait_for
+from cluster_harness import SERVE_SH_URL, router_stats, serve_sh, wait_for
 from engine_harness import PROMPTS
 
 pytestmark = pytest.mark.gpu
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-URL = "http://127.0.0.1:8000"
 START_TIMEOUT_S = 600.0
 """Ray, Serve and every replica's engine (model load, CUDA graph capture on each rank)."""
 TOKENS = 24
@@ -48,38 +45,10 @@ def _four_gpus():
 
 @contextlib.contextmanager
 def served(*args: str, log_name: str) -> Iterator[str]:
-    """`bash deploy/serve.sh ARGS` until its OpenAI endpoint lists a model; SIGTERM (the drain) on exit.
-    Its output goes to $OUT/<log_name>.log when OUT is set (GPU runs), else to a temporary file."""
+    """The cluster of `bash deploy/serve.sh ARGS`, its log in $OUT/<log_name>.log (GPU runs) or the temp dir."""
     log_dir = os.environ.get("OUT") or os.environ.get("TMPDIR", "/tmp")
-    log_path = os.path.join(log_dir, f"{log_name}.log")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            ["bash", os.path.join(ROOT, "deploy", "serve.sh"), *args],
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-
-            def up() -> bool:
-                if proc.poll() is not None:
-                    raise AssertionError(f"serve.sh {' '.join(args)} exited with {proc.returncode}; see {log_path}")
-                try:
-                    return httpx.get(f"{URL}/v1/models", timeout=5).status_code == 200
-                except httpx.HTTPError:
-                    return False
-
-            wait_for(up, START_TIMEOUT_S, f"serve.sh {' '.join(args)} to answer", interval=2.0)
-            yield URL
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=120)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+    with serve_sh(*args, log_path=os.path.join(log_dir, f"{log_name}.log"), timeout=START_TIMEOUT_S):
+        yield SERVE_SH_URL
 
 
 def _completions(url: str) -> List[str]:
@@ -126,18 +95,26 @@ def _tensor_parallel_sizes(url: str, replicas: int) -> List[float]:
         return sorted(w["engine"]["tensor_parallel_size"] for w in workers)
 
 
-def test_two_tp2_replicas_and_disaggregated_tp2_match_unified_tp2():
+@pytest.fixture(scope="module")
+def unified_tp2() -> List[str]:
+    """The reference: greedy completions of CASES from one unified TP=2 replica."""
     with served("tensor_parallel_size=2", log_name="unified-tp2") as url:
         assert _tensor_parallel_sizes(url, 1) == [2.0]
-        unified = _completions(url)
+        return _completions(url)
+
+
+def test_two_tp2_replicas_behind_cache_aware_match_unified_tp2(unified_tp2):
     with served("tensor_parallel_size=2", "workers=2", "policy=cache_aware", log_name="unified-2x-tp2") as url:
         assert _tensor_parallel_sizes(url, 2) == [2.0, 2.0]
-        assert _completions(url) == unified
+        assert _completions(url) == unified_tp2
+
+
+def test_disaggregated_tp2_prefill_and_decode_match_unified_tp2(unified_tp2):
     with served(
         "tensor_parallel_size=2", "mode=disaggregated", "prefill_workers=1", "decode_workers=1", log_name="pd-tp2"
     ) as url:
         assert _tensor_parallel_sizes(url, 2) == [2.0, 2.0]
-        assert _completions(url) == unified
+        assert _completions(url) == unified_tp2
 
 
 README_EXAMPLE = """
