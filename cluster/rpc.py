@@ -4,13 +4,15 @@ awaited(call)    a DeploymentResponse as a coroutine (so that it can run as a ta
 detached(fn)     fn() outside the current request's context (docs/design.md: Serve cancels a cancelled
                  request's child calls; long-lived streams and clean-up calls must not be among them)
 unwrap(exc)      the exception raised inside the replica, with its own type
-is_dead(exc)     the called replica is gone
+is_dead(exc)     the called replica is gone, or its engine is
 """
 
 import contextvars
 from typing import Any, Callable
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
+
+from engine.errors import EngineDeadError
 
 STREAM_OPTIONS = {"stream": True, "_by_reference": False}
 """Handle options of the batched streams from workers: each message goes over Serve's gRPC transport
@@ -36,5 +38,7 @@ def unwrap(exc: BaseException) -> BaseException:
 
 
 def is_dead(exc: BaseException) -> bool:
-    """The called replica is gone (its actor died or cannot be reached)."""
-    return isinstance(exc, (ActorDiedError, ActorUnavailableError))
+    """The called replica is gone: its actor died or cannot be reached, or its engine died (the scheduler's
+    core process or a tensor-parallel rank exited: the replica then fails its health check and Serve
+    replaces it). Its requests go on elsewhere, and the router drops it."""
+    return isinstance(exc, (ActorDiedError, ActorUnavailableError, EngineDeadError))

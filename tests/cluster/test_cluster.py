@@ -366,6 +366,27 @@ def test_dead_worker_is_purged_and_replaced(http):
     assert all(served[f"after-kill-{10 + i}"] == decided[f"after-kill-{10 + i}"] for i in range(4))
 
 
+def test_dead_engine_is_a_dead_worker(http):
+    """Kill the scheduler's core process of one worker (its engine dies; a tensor-parallel rank's death ends
+    an engine the same way) while 16 greedy streams run on both: every stream goes on on the other worker
+    with the text of an undisturbed run, the router drops the worker, and Serve replaces it once its health
+    check fails."""
+    import psutil
+
+    before = set(router_stats(http)["workers"])
+    victim = sorted(before)[0]
+    actor = ray.get_actor(f"SERVE_REPLICA::{APP}#Worker#{victim}", namespace="serve")
+    pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()))
+    cores = [p for p in psutil.Process(pid).children() if "engine.core.process" in " ".join(p.cmdline())]
+    assert len(cores) == 1, [p.cmdline() for p in psutil.Process(pid).children()]
+    bodies = [_story(i) for i in range(16)]
+    reference, results = asyncio.run(streams_across_a_kill(str(http.base_url), bodies, cores[0].kill))
+    assert [text for text, _ in results] == reference
+    print("largest gap between events per stream (s):", sorted(round(gap, 2) for _, gap in results))
+    _wait(lambda: victim not in router_stats(http)["workers"], 60, "the router to drop the worker")
+    _wait(lambda: set(router_stats(http)["workers"]) - before, 240, "a replacement worker to join", 1.0)
+
+
 def _stream_last_chunk(base_url: str, i: int, started: threading.Barrier) -> dict:
     """Stream request i (60 tokens); once its first event came, wait at `started`; its last chunk."""
     body = dict(_story(i), max_tokens=60, stream=True)
