@@ -14,6 +14,7 @@ fraction of the device-to-device copy bandwidth (bytes read + written) measured 
 denominator of bench_decode's roofline. --sweep also times every tile of a grid for each shape and M.
 
   python benchmarks/bench_gemv.py --config benchmarks/configs/llama-3.1-8b.json [--rows 1 2 4 8 16] [--sweep]
+      [--tensor-parallel-size 2]   (one rank's share of each weight)
 """
 
 from __future__ import annotations
@@ -30,18 +31,22 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def decode_shapes(cfg: Dict) -> Dict[str, tuple]:
-    """name -> (N, K) of every matmul weight a decode step reads once per layer, plus the lm_head."""
+def decode_shapes(cfg: Dict, tp: int = 1) -> Dict[str, tuple]:
+    """name -> (N, K) of every matmul weight a decode step reads once per layer, plus the lm_head, as rank 0
+    of a tensor-parallel group of `tp` ranks holds it (engine.parallel.shard)."""
+    from engine.parallel.shard import head_shard, split_range, vocab_shard
+
     h, hq = cfg["hidden_size"], cfg["num_attention_heads"]
     hkv = cfg.get("num_key_value_heads", hq)
     d = cfg.get("head_dim") or h // hq
-    inter = cfg["intermediate_size"]
+    heads = head_shard(hq, hkv, 0, tp)
+    start, end = split_range(cfg["intermediate_size"], tp, 0)
     return {
-        "qkv": ((hq + 2 * hkv) * d, h),
-        "o": (h, hq * d),
-        "gate_up": (2 * inter, h),
-        "down": (h, inter),
-        "lm_head": (cfg["vocab_size"], h),
+        "qkv": ((heads.num_heads + 2 * heads.num_kv_heads) * d, h),
+        "o": (h, heads.num_heads * d),
+        "gate_up": (2 * (end - start), h),
+        "down": (h, end - start),
+        "lm_head": (vocab_shard(cfg["vocab_size"], 0, tp).padded, h),
     }
 
 
@@ -78,6 +83,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--rows", type=int, nargs="+", default=[1], help="rows of x (batch sizes), 1 to MAX_ROWS")
     p.add_argument("--sweep", action="store_true", help="also time a grid of tile shapes per weight and M")
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="the weights as one rank of this many holds them"
+    )
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/gemv_<model>_<gpu>.json)")
     args = p.parse_args()
 
@@ -102,7 +110,7 @@ def main() -> None:
         cfg = json.load(f)
     rows: List[Dict] = []
     sweeps: Dict[str, List[Dict]] = {}
-    for name, (n, k) in decode_shapes(cfg).items():
+    for name, (n, k) in decode_shapes(cfg, args.tensor_parallel_size).items():
         nbytes = n * k * 2
         copies = max(2, -(-(256 << 20) // nbytes))
         ws = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)]
@@ -178,7 +186,8 @@ def main() -> None:
             f"{r['gemv_of_copy_bw']:>8.0%}{r['gemv+pdl_of_copy_bw']:>8.0%}"
         )
     model = os.path.splitext(os.path.basename(args.config))[0]
-    out = result_path(args.out, f"gemv_{model}", hw)
+    tp = f"_tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
+    out = result_path(args.out, f"gemv_{model}{tp}", hw)
     with open(out, "w") as f:
         json.dump(
             dict(

@@ -246,3 +246,26 @@ def test_multi_turn_history_from_the_dataset_is_the_same_for_every_server():
     assert fixed == workload("dataset")
     assert all(len(t.answer.split()) == 7 for s in fixed for t in s)
     assert all(t.answer is None for s in workload("generated") for t in s)
+
+
+def test_bench_gemv_shapes_are_one_ranks_share():
+    """--tensor-parallel-size N times the weights rank 0 of N holds: halved heads, MLP and vocabulary at 2."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from bench_gemv import decode_shapes
+
+    with open(os.path.join(ROOT, "benchmarks", "configs", "llama-3.1-8b.json")) as f:
+        cfg = json.load(f)
+    assert decode_shapes(cfg) == {
+        "qkv": (6144, 4096),
+        "o": (4096, 4096),
+        "gate_up": (28672, 4096),
+        "down": (4096, 14336),
+        "lm_head": (128256, 4096),
+    }
+    assert decode_shapes(cfg, 2) == {
+        "qkv": (3072, 4096),
+        "o": (4096, 2048),
+        "gate_up": (14336, 4096),
+        "down": (4096, 7168),
+        "lm_head": (64128, 4096),
+    }
