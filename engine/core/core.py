@@ -48,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.005
 """Inbox wait while there is work that cannot start yet (waiting for memory, a grammar compiling)."""
+RANK_POLL_S = 1.0
+"""Longest idle wait of a tensor-parallel rank 0 between two checks that every other rank still lives."""
 
 
 @dataclass
@@ -118,12 +120,16 @@ class EngineCore:
 
         `receive(timeout)` returns the messages waiting (waiting up to `timeout` s for the first; None:
         forever), or None to stop. `send(obj)` delivers a StepOutputs or CallResult to the front end.
-        Raises what the model raised; the caller then fails every request (fail_all)."""
+        Raises what the model raised, or TensorParallelError once another rank has died (checked before
+        each round of messages, at least every RANK_POLL_S while idle); the caller then fails every request
+        (fail_all) and the engine is dead."""
         timeout: Optional[float] = None
+        idle_timeout = RANK_POLL_S if self.runner.watches_ranks else None
         while True:
             messages = receive(timeout)
             if messages is None:
                 return
+            self.runner.check_ranks()
             for msg in messages:
                 result = self.handle(msg)
                 if result is not None:
@@ -132,7 +138,7 @@ class EngineCore:
             if self._outputs:
                 send(StepOutputs(self.take_outputs()))
             # Idle: sleep on the inbox. Work that cannot start yet (memory, grammars): poll gently.
-            timeout = None if not self.has_work else (0.0 if did_work else IDLE_POLL_S)
+            timeout = idle_timeout if not self.has_work else (0.0 if did_work else IDLE_POLL_S)
 
     @property
     def has_work(self) -> bool:

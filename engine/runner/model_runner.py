@@ -377,6 +377,17 @@ class ModelRunner:
         with self.tp.guard():
             send_call(self.tp, RankCall(module, function, tuple(args)))
 
+    def check_ranks(self) -> None:
+        """Rank 0: raise TensorParallelError if another rank's process has exited (a no-op otherwise)."""
+        failure = self.tp.failure if getattr(self, "tp", None) is not None else None
+        if failure is not None:
+            raise failure
+
+    @property
+    def watches_ranks(self) -> bool:
+        """Rank 0 of a tensor-parallel group: other ranks' processes can die under it."""
+        return getattr(self, "tp", None) is not None and self.tp.processes is not None
+
     def close(self) -> None:
         """Rank 0: stop the other ranks; every rank: leave the group. A no-op without tensor parallelism;
         idempotent."""

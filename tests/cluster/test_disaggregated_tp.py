@@ -3,12 +3,16 @@ each over 2 ranks, KV handed over rank to rank through NIXL over host memory (cl
 Deployed on the Ray and Serve of the disaggregated modules before it (cluster_harness.SHARED_SERVE).
 
 Checked: greedy outputs token-identical to a unified TP=2 engine and to TP=1, and afterwards every KV page
-of both replicas free or held by its radix cache.
+of both replicas free or held by its radix cache; then the death of the decode replica's rank 1 ends that
+replica cleanly (the router drops it, a request gets a 503 at once, its processes exit) and its
+replacement serves the same greedy text.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 
 import httpx
 import pytest
@@ -75,3 +79,34 @@ def test_tp2_handoff_matches_unified_tp2_and_tp1_and_frees_every_page(http, refe
     by_pool = pools(http)
     assert {w["engine"]["tensor_parallel_size"] for ws in by_pool.values() for w in ws.values()} == {2.0}
     wait_for(lambda: all_idle_and_clean(http), 60, "every KV page free or cached on both replicas")
+
+
+def test_a_dead_follower_rank_ends_its_replica_and_the_replacement_serves(http, references):
+    import psutil
+
+    tp2 = references[0]
+    (decode_id,) = pools(http)["decode"]
+    actor = ray.get_actor(f"SERVE_REPLICA::{APP}#Decode#{decode_id}", namespace="serve")
+    rank0 = psutil.Process(ray.get(actor.__ray_call__.remote(lambda _: os.getpid())))
+    ranks = [p for p in rank0.children(recursive=True) if "engine.runner.follower" in " ".join(p.cmdline())]
+    assert len(ranks) == 1, [p.cmdline() for p in rank0.children(recursive=True)]
+    ranks[0].kill()
+
+    def completion(prompt: str) -> httpx.Response:
+        return http.post("/v1/completions", json=dict(model=MODEL, prompt=prompt, max_tokens=TOKENS, temperature=0.0))
+
+    # Rank 0 sees the death within a second: the engine ends and the router drops the replica. A request then
+    # gets a clear 503 at once (no decode replica) or, once Serve's replacement has joined, its answer.
+    wait_for(lambda: decode_id not in pools(http).get("decode", {}), 60, "the router to drop the decode replica")
+    start = time.monotonic()
+    r = completion(CASES[0])
+    assert time.monotonic() - start < 60, "a request hung on the dead replica"
+    if r.status_code == 503:
+        assert r.headers.get("retry-after") and r.json()["error"]["code"] == "no_workers", r.text
+    else:
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == tp2[0], r.text
+    # Serve replaces the replica (its health check fails): rank 0 and every rank process of it are gone.
+    wait_for(lambda: not rank0.is_running() or rank0.status() == psutil.STATUS_ZOMBIE, 180, "the dead replica to exit")
+    wait_for(lambda: set(pools(http).get("decode", {})) - {decode_id}, 300, "a replacement decode replica", 1.0)
+    wait_for(lambda: completion(CASES[1]).status_code == 200, 120, "the new pair to serve", 1.0)
+    assert completion(CASES[1]).json()["choices"][0]["text"] == tp2[1]
