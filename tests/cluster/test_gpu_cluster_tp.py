@@ -23,7 +23,7 @@ from typing import Dict, Iterator, List
 import httpx
 import pytest
 
-from cluster_harness import SERVE_SH_URL, router_stats, serve_sh, wait_for
+from cluster_harness import SERVE_SH_URL, cluster_idle, router_stats, serve_sh, wait_for
 from engine_harness import PROMPTS
 
 pytestmark = pytest.mark.gpu
@@ -63,24 +63,13 @@ def _completions(url: str) -> List[str]:
             )
             assert r.status_code == 200, r.text
             texts.append(r.json()["choices"][0]["text"])
-        wait_for(lambda: _all_pages_free(client), 60, "every KV page free or cached")
+        wait_for(lambda: cluster_idle(router_stats(client)), 60, "every KV page free or cached")
     return texts
 
 
 def _workers(client: httpx.Client) -> Dict[str, dict]:
     """worker id -> its /router/stats entry (pool, in_flight, engine stats), over every pool."""
     return router_stats(client)["workers"]
-
-
-def _all_pages_free(client: httpx.Client) -> bool:
-    """Every worker's last report: nothing in flight or running, every KV slot free or held by its radix cache."""
-    for w in _workers(client).values():
-        e = w["engine"]
-        if w["in_flight"] or not e or e["running"] or e["waiting"]:
-            return False
-        if e["kv_free_tokens"] + e["kv_evictable_tokens"] != e["kv_total_tokens"]:
-            return False
-    return True
 
 
 def _tensor_parallel_sizes(url: str, replicas: int) -> List[float]:
