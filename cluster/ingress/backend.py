@@ -13,9 +13,10 @@
     GET /metrics      ─▶ serving metrics of this replica + per-worker gauges labelled by replica
 
 Aborts: serving closes the backend stream on client disconnect; the request is then aborted on its
-worker (Worker.abort), which frees its KV pages. A request whose worker left before anything was
-streamed is routed again; one that left mid-stream is continued on another worker from the tokens
-generated so far (Continuation: the client sees one uninterrupted stream), MAX_ROUTE_ATTEMPTS in all.
+worker (Worker.abort, under its attempt's id there: _attempt_rid), which frees its KV pages. A request
+whose worker left before anything was streamed is routed again; one that left mid-stream is continued on
+another worker from the tokens generated so far (Continuation: the client sees one uninterrupted stream),
+MAX_ROUTE_ATTEMPTS in all.
 Ingress replicas hold no routing state (it lives in the router deployment), so they scale freely.
 
 Load (503 queue_full + Retry-After, fastest first):
@@ -61,6 +62,18 @@ _RPC_TIMEOUT_S = 120.0
 MAX_ROUTE_ATTEMPTS = 3
 """Routings per request, in unified and disaggregated mode: the first, and one more for each worker (or
 pair) that left under it, failed or refused it, before or while it streamed."""
+
+
+def attempt_rid(rid: str, attempt: int) -> str:
+    """The id under which attempt number `attempt` (from 1) of request `rid` runs on its replicas: `rid` itself
+    for the first, `<rid>@<attempt>` for the next ones ("#" is taken: an engine runs choice i of a request of
+    several as "<rid>#<i>")."""
+    return rid if attempt == 1 else f"{rid}@{attempt}"
+
+
+def no_workers(message: str) -> APIError:
+    """The 503 of a cluster that has no replica able to take a request now: code no_workers, with Retry-After."""
+    return APIError(503, message, None, "no_workers", retry_after=RETRY_AFTER_S)
 
 
 def _worker_gone(exc: BaseException) -> bool:
@@ -199,8 +212,9 @@ class ClusterBackend(ServingBackend):
         self.ingress_id = uuid.uuid4().hex
         """Names this backend's streams on the workers."""
         self._streams: Dict[str, WorkerStream] = {}
-        self._active: Dict[str, str] = {}
-        """rid → worker id of requests streaming now (abort() reaches them there)."""
+        self._active: Dict[str, Tuple[str, str]] = {}
+        """rid → (worker id, the attempt's id there: attempt_rid) of requests streaming now (abort() reaches
+        them there)."""
         self._sent: set = set()
         """Calls in flight that nobody awaits (router.finish, aborts)."""
         self.latency = IngressLatency()
@@ -234,9 +248,7 @@ class ClusterBackend(ServingBackend):
                 raise
             exc = unwrap(exc)
             if isinstance(exc, NoWorkersError):
-                raise APIError(
-                    503, f"no worker replica is available: {exc}", None, "no_workers", retry_after=RETRY_AFTER_S
-                ) from None
+                raise no_workers(f"no worker replica is available: {exc}") from None
             if isinstance(exc, PoolFullError):
                 raise queue_full(f"the cluster is full: {exc}; retry later") from None
             raise exc
@@ -272,7 +284,11 @@ class ClusterBackend(ServingBackend):
 
     async def _attempts(self, input_ids: List[int], params: Any, rid: str) -> AsyncIterator[Any]:
         """Route, submit, stream; again elsewhere when a worker refuses (full), fails or leaves: one skeleton
-        for both modes, whose steps (`_route`, `_submit`, `_end_attempt`, ...) each mode defines."""
+        for both modes, whose steps (`_route`, `_submit`, `_end_attempt`, ...) each mode defines.
+
+        The router and the client see the request as `rid` (its in_flight count, stats, abort(rid)); each
+        attempt runs on its replicas under the id `_attempt_rid` gives it, which its submit, its stream's
+        items and its aborts carry."""
         params = self._prepare(params)
         text = OutputText(self.tokenizer, input_ids, params)  # before routing: nothing to finish if it raises
         continuation = Continuation(input_ids, params)
@@ -284,12 +300,15 @@ class ClusterBackend(ServingBackend):
                 lambda: self._route(ids, rid, tuple(refused)), lambda late: self._release(late, RequestClock())
             )
             worker_id = self._streaming_worker(placement)
+            engine_rid = self._attempt_rid(rid, attempt)
             progress = RequestProgress(params.n)
             clock = RequestClock(route_ms)  # the worker call → first message
-            queue = self._open(worker_id, rid)
-            started = self._submit(placement, ids, attempt_params, rid, attempt, queue)
+            queue = self._open(worker_id, rid, engine_rid)
+            started = self._submit(placement, ids, attempt_params, engine_rid, attempt, queue)
             try:
-                async for out in self._outputs(queue, text, worker_id, rid, params.n, clock, progress, continuation):
+                async for out in self._outputs(
+                    queue, text, worker_id, engine_rid, params.n, clock, progress, continuation
+                ):
                     yield out
                 return
             except Exception as exc:  # noqa: BLE001 - a worker that left, failed or is full: route again
@@ -297,7 +316,7 @@ class ClusterBackend(ServingBackend):
                 retry = may_continue(cause, progress, continuation, attempt, self._retryable)
                 await self._report_failure(placement, cause)
                 if not retry:
-                    raise cause from None
+                    raise self._final_error(cause) from None
                 if isinstance(cause, QueueFullError):
                     refused.append(worker_id)
                     logger.debug("request %s: worker %s is full; routing it again", rid, worker_id)
@@ -311,7 +330,7 @@ class ClusterBackend(ServingBackend):
                     cause,
                 )
             finally:
-                self._close(worker_id, rid, progress)
+                self._close(worker_id, rid, engine_rid, progress)
                 self.latency.on_request(clock)
                 self._end_attempt(placement, clock, progress, started)
 
@@ -326,6 +345,17 @@ class ClusterBackend(ServingBackend):
         """The request's params for every attempt."""
         return params
 
+    def _attempt_rid(self, rid: str, attempt: int) -> str:
+        """The id attempt number `attempt` of request `rid` runs under on its worker. Unified: `rid` for every
+        attempt, since a retry never goes back to a worker that held the request (that worker refused it, or
+        is reported gone and left out), so no engine sees the id twice."""
+        return rid
+
+    def _final_error(self, cause: BaseException) -> BaseException:
+        """What the client gets for `cause`, the failure that ended the request (not retryable, or no attempt
+        left): the failure itself (serving.errors.to_api_error makes its status)."""
+        return cause
+
     def _route(self, ids: List[int], rid: str, refused: Tuple[str, ...]) -> Any:
         """The routing call: a RoutingDecision, not one of `refused` (they answered queue_full)."""
         return self.router.route.remote(ids, rid, exclude=refused)
@@ -336,8 +366,8 @@ class ClusterBackend(ServingBackend):
         return placement.worker_id
 
     def _submit(self, placement: Any, ids: List[int], params: Any, rid: str, attempt: int, queue: Any) -> Any:
-        """Start the attempt on its worker (not awaited; a submit that raises fails `queue`); returns what
-        `_end_attempt` needs."""
+        """Start the attempt on its worker under `rid` (the attempt's id: _attempt_rid) (not awaited; a submit
+        that raises fails `queue`); returns what `_end_attempt` needs."""
         worker_id = placement.worker_id
         call = self.workers.options(session_id=worker_id).submit.remote(ids, params, rid, self.ingress_id, worker_id)
         self._on_failure(call, rid, queue)
@@ -355,24 +385,25 @@ class ClusterBackend(ServingBackend):
     def _end_attempt(self, placement: Any, clock: RequestClock, progress: "RequestProgress", started: Any) -> None:
         self._release(placement, clock)
 
-    def _open(self, worker_id: str, rid: str) -> "asyncio.Queue[WorkerItem]":
-        """The queue of request `rid`'s items on this replica's stream from `worker_id`."""
-        self._active[rid] = worker_id
-        return self.stream_from(worker_id).open(rid)
+    def _open(self, worker_id: str, rid: str, engine_rid: str) -> "asyncio.Queue[WorkerItem]":
+        """The queue of the items of request `rid`'s attempt `engine_rid` (its id there) on this replica's
+        stream from `worker_id`."""
+        self._active[rid] = (worker_id, engine_rid)
+        return self.stream_from(worker_id).open(engine_rid)
 
     async def _outputs(
         self,
         queue: "asyncio.Queue[WorkerItem]",
         text: OutputText,
         worker_id: str,
-        rid: str,
+        engine_rid: str,
         n: int,
         clock: RequestClock,
         progress: "RequestProgress",
         continuation: Continuation,
     ) -> AsyncIterator[Any]:
-        """The request's outputs with their text, until its last choice has ended here; raises the error that
-        ended it on the worker."""
+        """The request's outputs with their text, until its last choice has ended here (attempt `engine_rid`
+        on `worker_id`); raises the error that ended it on the worker."""
         while True:
             item = await queue.get()
             if item.error is not None:
@@ -380,20 +411,21 @@ class ClusterBackend(ServingBackend):
                 raise item.error
             clock.on_chunk((item.output,))
             progress.running -= item.output.finish_reason is not None
-            out = self._with_text(text, continuation.seen(item.output), worker_id, rid, n)
+            out = self._with_text(text, continuation.seen(item.output), worker_id, engine_rid, n)
             if out is not None:
                 progress.streamed = True
                 yield out
             if text.finished:
                 return
 
-    def _close(self, worker_id: str, rid: str, progress: "RequestProgress") -> None:
-        """The request is over here: stop routing its items; abort it on the worker if it still runs there."""
+    def _close(self, worker_id: str, rid: str, engine_rid: str, progress: "RequestProgress") -> None:
+        """Request `rid`'s attempt `engine_rid` is over here: stop routing its items; abort it on the worker if
+        it still runs there (and abort(rid) did not)."""
         stream = self._streams.get(worker_id)
         if stream is not None:
-            stream.close(rid)
+            stream.close(engine_rid)
         if self._active.pop(rid, None) is not None and progress.running and not progress.failed:
-            self._abort_on(worker_id, rid)
+            self._abort_on(worker_id, engine_rid)
 
     def _on_failure(self, call: Any, rid: str, queue: "asyncio.Queue[WorkerItem]") -> None:
         """A submit that raises (invalid request, wrong replica) ends the request with its error."""
@@ -407,12 +439,12 @@ class ClusterBackend(ServingBackend):
 
         task.add_done_callback(done)
 
-    def _with_text(self, text: OutputText, raw: Any, worker_id: str, rid: str, n: int) -> Optional[Any]:
+    def _with_text(self, text: OutputText, raw: Any, worker_id: str, engine_rid: str, n: int) -> Optional[Any]:
         """The worker's output with its text (OutputText); a choice of several that a stop string ended
         here is aborted on the worker (a lone choice is aborted when the request ends)."""
         out = text.apply(raw)
         if out is not None and n > 1 and text.stopped_here(out) and not text.finished:
-            self._abort_on(worker_id, f"{rid}#{out.index}")
+            self._abort_on(worker_id, f"{engine_rid}#{out.index}")
         return out
 
     async def _report_dead(self, worker_id: str, pool: str = "unified") -> None:
@@ -436,9 +468,10 @@ class ClusterBackend(ServingBackend):
         task.add_done_callback(self._sent.discard)
 
     def abort(self, rid: str) -> None:
-        worker_id = self._active.pop(rid, None)
-        if worker_id is not None:
-            self._abort_on(worker_id, rid)
+        """Abort request `rid`: its live attempt, on its worker, under the attempt's id."""
+        active = self._active.pop(rid, None)
+        if active is not None:
+            self._abort_on(*active)
 
     async def cluster_stats(self) -> "ClusterStats":
         self.last_stats = await asyncio.wait_for(self.router.stats.remote(), 30)

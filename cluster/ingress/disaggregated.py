@@ -18,7 +18,14 @@ backend.MAX_ROUTE_ATTEMPTS in all (a decode replica that answered queue_full is 
 refuses at once when the decode pool is full, as in unified mode: backend.py, "Load"); dead replicas are
 reported to the router first so that the new pair avoids them. A decode replica that dies
 mid-stream is replaced the same way: the new pair continues the request from the tokens generated so far
-(backend.Continuation), so the client sees one stream. Other failures after the first token reach the client.
+(backend.Continuation), so the client sees one stream. Other failures after the first token reach the client;
+a prefill that failed on every attempt is a 503 no_workers with Retry-After (backend.no_workers).
+
+Each attempt runs on both replicas under an id of its own (backend.attempt_rid: `rid`, then `<rid>@2`, ...):
+a retry may reach a replica where the previous attempt still holds its id — the prefill replica, whose call
+from a decode replica that died runs on until its transfer fails, or the same decode replica after a failed
+prefill, whose engine frees the id once its core has confirmed the abort. The router, the client and
+abort(rid) see the request as `rid`.
 """
 
 import asyncio
@@ -28,7 +35,7 @@ import random
 import uuid
 from typing import Any, List, Tuple
 
-from cluster.ingress.backend import ClusterBackend, RequestProgress
+from cluster.ingress.backend import MAX_ROUTE_ATTEMPTS, ClusterBackend, RequestProgress, attempt_rid, no_workers
 from cluster.ingress.latency import RequestClock
 from cluster.rpc import is_dead
 from cluster.workers.base import WrongReplicaError
@@ -58,6 +65,17 @@ class DisaggregatedBackend(ClusterBackend):
             return dataclasses.replace(params, seed=random.getrandbits(62))
         return params
 
+    def _attempt_rid(self, rid: str, attempt: int) -> str:
+        """An id of its own for each attempt (see the module docstring)."""
+        return attempt_rid(rid, attempt)
+
+    def _final_error(self, cause: BaseException) -> BaseException:
+        """A prefill that failed on every attempt: the 503 of a cluster that cannot take the request now
+        (no_workers, as when the router has no replica), not a server error."""
+        if isinstance(cause, PrefillFailedError):
+            return no_workers(f"the prompt's prefill failed on all {MAX_ROUTE_ATTEMPTS} attempts; the last: {cause}")
+        return cause
+
     def _route(self, ids: List[int], rid: str, refused: Tuple[str, ...]) -> Any:
         return self.router.route_pair.remote(ids, rid, exclude_decode=refused)
 
@@ -66,10 +84,11 @@ class DisaggregatedBackend(ClusterBackend):
         return placement.decode.worker_id
 
     def _submit(self, placement: Any, ids: List[int], params: Any, rid: str, attempt: int, queue: Any) -> str:
-        """Start the prompt on the prefill replica (early_prefill) and the request on the decode replica;
-        returns the early-prefill key ("" without)."""
+        """Start the prompt on the prefill replica (early_prefill) and the request on the decode replica, under
+        `rid`, the attempt's id (which the decode replica's prefill call carries too); returns the early-prefill
+        key ("" without)."""
         prefill_id, decode_id = placement.prefill.worker_id, placement.decode.worker_id
-        early_key = self._start_prefill(ids, params, rid, prefill_id, attempt)
+        early_key = self._start_prefill(ids, params, rid, prefill_id)
         call = self.workers.options(session_id=decode_id).submit_disaggregated.remote(
             ids, params, rid, prefill_id, early_key, self.ingress_id, decode_id
         )
@@ -87,12 +106,12 @@ class DisaggregatedBackend(ClusterBackend):
             prefill_id = placement.prefill.worker_id
             self._send(lambda: self.prefill_pool.options(session_id=prefill_id).forget_prefill.remote(started))
 
-    def _start_prefill(self, input_ids: List[int], params: Any, rid: str, prefill_id: str, attempt: int) -> str:
-        """Start the prompt on its prefill replica (not awaited); returns the key its decode replica's
-        prefill call claims it by, or "" when early_prefill is off."""
+    def _start_prefill(self, input_ids: List[int], params: Any, rid: str, prefill_id: str) -> str:
+        """Start the prompt of attempt `rid` on its prefill replica (not awaited); returns the key its decode
+        replica's prefill call claims it by, or "" when early_prefill is off."""
         if self.prefill_pool is None or params.n != 1:  # n > 1 is refused by the decode replica
             return ""
-        key = f"{rid}@{attempt}.{uuid.uuid4().hex[:6]}"
+        key = f"{rid}.{uuid.uuid4().hex[:6]}"  # never twice, even for a rid a client reuses
         self._send(
             lambda: self.prefill_pool.options(session_id=prefill_id).start_prefill.remote(
                 input_ids, params, rid, key, prefill_id

@@ -61,7 +61,8 @@ class DecodeWorker(KVEndpoint, WorkerBase):
         replica_id: str,
     ) -> None:
         """Start a request whose prompt prefill replica `prefill_id` computes (started there by the ingress
-        under `early_key`, if not ""); its outputs go to the stream of `ingress_id` (see WorkerBase)."""
+        under `early_key`, if not ""); its outputs go to the stream of `ingress_id` (see WorkerBase). `rid` is
+        the id of the ingress's attempt (each attempt has its own), which the prefill call carries too."""
         self._check_replica(replica_id)
         if self._aborted_before_submit(rid):
             return
