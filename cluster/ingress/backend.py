@@ -131,9 +131,9 @@ class WorkerStream:
                     queue = self.queues.get(item.rid)
                     if queue is not None:
                         queue.put_nowait(item)
-            error: BaseException = ActorUnavailableError(f"the stream from worker {self.worker_id} ended")
+            error: BaseException = ActorUnavailableError(f"the stream from worker {self.worker_id} ended", None)
         except asyncio.CancelledError:
-            error = ActorUnavailableError(f"the stream from worker {self.worker_id} was cancelled")
+            error = ActorUnavailableError(f"the stream from worker {self.worker_id} was cancelled", None)
         except Exception as exc:  # noqa: BLE001 - handed to every request on this worker
             error = unwrap(exc)
         self.error = error

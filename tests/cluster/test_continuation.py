@@ -365,6 +365,15 @@ def test_aborting_a_retried_request_aborts_its_live_attempt(tokenizer, how):
     assert sorted(router.finished) == sorted([("P", "prefill"), ("D", "decode")] * 2)
 
 
+def test_a_stream_that_ends_hands_its_requests_on(tokenizer):
+    """A decode replica's stream that ends without an error (its replica is going away) fails the requests
+    still open on it as a dead replica's: the request goes on elsewhere from its tokens so far."""
+    backend, router, _, _ = _disaggregated(tokenizer, [_streams_then(2, stream_ends=True)])
+    text = asyncio.run(asyncio.wait_for(_text(backend.generate_stream(PROMPT, _greedy(), "r4")), 30))
+    assert text == tokenizer.decode(TOKENS)
+    assert router.dead == {"D1"}
+
+
 @pytest.fixture(scope="module")
 def serving(tokenizer):
     """serve(app) of build_app over a DisaggregatedBackend: call it with the backend."""
