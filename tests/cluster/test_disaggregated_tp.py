@@ -4,8 +4,9 @@ Deployed on the Ray and Serve of the disaggregated modules before it (cluster_ha
 
 Checked: greedy outputs token-identical to a unified TP=2 engine and to TP=1, and afterwards every KV page
 of both replicas free or held by its radix cache; then the death of the decode replica's rank 1 ends that
-replica cleanly (the router drops it, a request gets a 503 at once, its processes exit) and its
-replacement serves the same greedy text.
+replica cleanly (the router drops it, a request gets a 503 or the replacement's answer, never a hang, its
+processes exit) and its replacement serves the same greedy text. Serve checks the replicas' health every
+0.5 s here, so the dead one is replaced soon.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ CASES = [PROMPTS[0], PROMPTS[1], PROMPTS[0] + " Paris, and the capital of Italy 
 
 
 def _args():
-    return disagg_args(tensor_parallel_size=2, max_total_tokens=2048, kv_transfer_timeout_s=30)
+    return disagg_args(
+        tensor_parallel_size=2, max_total_tokens=2048, kv_transfer_timeout_s=30, health_check_period_s=0.5
+    )
 
 
 @pytest.fixture(scope="module")
@@ -96,17 +99,17 @@ def test_a_dead_follower_rank_ends_its_replica_and_the_replacement_serves(http, 
         return http.post("/v1/completions", json=dict(model=MODEL, prompt=prompt, max_tokens=TOKENS, temperature=0.0))
 
     # Rank 0 sees the death within a second: the engine ends and the router drops the replica. A request then
-    # gets a clear 503 at once (no decode replica) or, once Serve's replacement has joined, its answer.
+    # gets a clear 503 (no decode replica) or, once Serve's replacement has joined, its answer: the router waits
+    # up to 60 s for a decode replica before its 503, so a request that takes longer hung on the dead one.
     wait_for(lambda: decode_id not in pools(http).get("decode", {}), 60, "the router to drop the decode replica")
     start = time.monotonic()
     r = completion(CASES[0])
-    assert time.monotonic() - start < 60, "a request hung on the dead replica"
+    assert time.monotonic() - start < 90, "a request hung on the dead replica"
     if r.status_code == 503:
         assert r.headers.get("retry-after") and r.json()["error"]["code"] == "no_workers", r.text
-    else:
-        assert r.status_code == 200 and r.json()["choices"][0]["text"] == tp2[0], r.text
-    # Serve replaces the replica (its health check fails): rank 0 and every rank process of it are gone.
+        r = wait_for(lambda: (a := completion(CASES[0])).status_code == 200 and a, 300, "the new pair to serve")
+    # a 200 comes from the replacement: the router keeps the dropped replica out
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == tp2[0], r.text
+    assert set(pools(http)["decode"]) - {decode_id}, "a replacement decode replica"
+    # Serve replaced the replica (its health check fails): rank 0 and every rank process of it are gone.
     wait_for(lambda: not rank0.is_running() or rank0.status() == psutil.STATUS_ZOMBIE, 180, "the dead replica to exit")
-    wait_for(lambda: set(pools(http).get("decode", {})) - {decode_id}, 300, "a replacement decode replica", 1.0)
-    wait_for(lambda: completion(CASES[1]).status_code == 200, 120, "the new pair to serve", 1.0)
-    assert completion(CASES[1]).json()["choices"][0]["text"] == tp2[1]
