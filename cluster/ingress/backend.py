@@ -353,7 +353,14 @@ class ClusterBackend(ServingBackend):
 
     def _final_error(self, cause: BaseException) -> BaseException:
         """What the client gets for `cause`, the failure that ended the request (not retryable, or no attempt
-        left): the failure itself (serving.errors.to_api_error makes its status)."""
+        left): for a worker that died or left, the 503 of a cluster that cannot take the request now
+        (no_workers, with Retry-After: the client may send it again); else the failure itself
+        (serving.errors.to_api_error makes its status)."""
+        if _worker_gone(cause):
+            return no_workers(
+                f"the worker replica serving this request left, and it could not be completed on another "
+                f"({MAX_ROUTE_ATTEMPTS} attempts at most): {cause}"
+            )
         return cause
 
     def _route(self, ids: List[int], rid: str, refused: Tuple[str, ...]) -> Any:

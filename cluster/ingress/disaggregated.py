@@ -74,7 +74,7 @@ class DisaggregatedBackend(ClusterBackend):
         (no_workers, as when the router has no replica), not a server error."""
         if isinstance(cause, PrefillFailedError):
             return no_workers(f"the prompt's prefill failed on all {MAX_ROUTE_ATTEMPTS} attempts; the last: {cause}")
-        return cause
+        return super()._final_error(cause)
 
     def _route(self, ids: List[int], rid: str, refused: Tuple[str, ...]) -> Any:
         return self.router.route_pair.remote(ids, rid, exclude_decode=refused)

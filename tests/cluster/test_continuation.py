@@ -420,3 +420,27 @@ def test_prefill_failing_after_a_cut_mid_stream_is_a_no_workers_error_event(toke
     error = chunks[-1]["error"]
     assert (error["type"], error["code"]) == ("service_unavailable", "no_workers")
     assert router.dead == {"D1"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_whose_replica_leaves_on_every_attempt_ends_as_no_workers(tokenizer, serving, stream):
+    """Each of the three attempts' decode replicas leaves (its stream ends: the replica is gone) after
+    `tokens` tokens: the request ends as the router's no_workers does, a 503 with Retry-After before the
+    first token, an error event of that type (then [DONE]) in a stream already started; not a 500."""
+    tokens = 1 if stream else 0
+    plans = [_streams_then(tokens, stream_ends=True)] * 3
+    backend, router, _, _ = _disaggregated(tokenizer, plans, ("D1", "D2", "D3"))
+    body = dict(model="m", prompt=PROMPT, max_tokens=6, temperature=0.0, stream=stream)
+    with serving(backend) as url, httpx.Client(base_url=url, timeout=60) as http:
+        if not stream:
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 503, r.text
+            assert _error(r.json(), r.headers) == ("service_unavailable", "no_workers", "1")
+        else:
+            with http.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                events = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            error = json.loads(events[-2])["error"]
+            assert (error["type"], error["code"]) == ("service_unavailable", "no_workers")
+    assert router.dead == {"D1", "D2", "D3"}
