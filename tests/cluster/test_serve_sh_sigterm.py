@@ -3,6 +3,9 @@
 serve.sh drains first (cluster.shutdown: the ingress stops admitting, running requests get the grace
 period, default 30 s), then stops `serve run`, which shuts Serve, HAProxy and Ray down. Checked: every
 stream ends with its last token and [DONE], the script exits, and port 8000 is free again.
+
+Also checked while it runs: HAProxy's stats page and Prometheus exporter listen on 127.0.0.1 only
+(cluster/ingress/haproxy_launcher.py) and answer there, while the endpoint answers on port 8000.
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import psutil
 import pytest
 
-from cluster_harness import SERVE_SH_URL, serve_sh
+from cluster_harness import SERVE_SH_URL, serve_sh, wait_for
 
 pytest.importorskip("ray")
 MODEL = "SmolLM2-135M-Instruct"
@@ -38,9 +42,27 @@ def _stream(body: dict, started: threading.Barrier) -> list:
     return [json.loads(e) for e in events[:-1]]
 
 
+def _listening(port: int) -> set:
+    """The addresses a TCP socket listens on at `port`, on this machine."""
+    return {c.laddr.ip for c in psutil.net_connections(kind="tcp") if c.status == "LISTEN" and c.laddr.port == port}
+
+
+def _assert_haproxy_admin_ports_on_localhost() -> None:
+    """HAProxy's stats page and exporter (Ray's ports: RAY_SERVE_HAPROXY_*_PORT, 8404 and 9101 unless set)
+    listen on 127.0.0.1 only and answer there; the endpoint answers on port 8000."""
+    stats = int(os.environ.get("RAY_SERVE_HAPROXY_STATS_PORT", "8404"))
+    metrics = int(os.environ.get("RAY_SERVE_HAPROXY_METRICS_PORT", "9101"))
+    for port in (stats, metrics):
+        assert wait_for(lambda: _listening(port), 30, f"HAProxy listening on port {port}") == {"127.0.0.1"}
+    assert httpx.get(f"http://127.0.0.1:{stats}/stats", timeout=30).status_code == 200
+    assert "haproxy_process" in httpx.get(f"http://127.0.0.1:{metrics}/metrics", timeout=30).text
+    assert httpx.get(f"{SERVE_SH_URL}/v1/models", timeout=30).status_code == 200
+
+
 def test_sigterm_drains_running_streams_then_stops_and_frees_the_port(tmp_path):
     body = dict(model=MODEL, prompt="Once upon a time", max_tokens=48, temperature=0, ignore_eos=True, stream=True)
     with serve_sh(log_path=str(tmp_path / "serve.log")) as proc:
+        _assert_haproxy_admin_ports_on_localhost()
         started = threading.Barrier(STREAMS + 1)
         with ThreadPoolExecutor(STREAMS) as pool:
             streams = [pool.submit(_stream, body, started) for _ in range(STREAMS)]

@@ -73,6 +73,22 @@ def test_entrypoint_is_serve_run(commands):
     assert {"8000", "8265", "8080"} <= exposed
 
 
+def test_haproxy_starts_through_the_launcher(commands):
+    """Ray starts HAProxy as the project's console script (stats page and exporter on 127.0.0.1), which
+    `pip install` of the project puts in the venv's bin/ and the build checks for."""
+    from cluster.ingress.haproxy_launcher import SCRIPT_NAME
+
+    env = {}
+    for c in commands:
+        if c.cmd == "ENV":
+            env.update(zip(c.value[::2], c.value[1::2]))
+    assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    assert env["RAY_SERVE_HAPROXY_BINARY_PATH"] == f"{env['VIRTUAL_ENV']}/bin/{SCRIPT_NAME}"
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert f'\n{SCRIPT_NAME} = "cluster.ingress.haproxy_launcher:main"\n' in pyproject
+    assert 'test -x "$RAY_SERVE_HAPROXY_BINARY_PATH"' in runs(commands)
+
+
 def _ignored(path: str, patterns: List[str]) -> bool:
     """Docker's rule: the last matching pattern wins; `!` re-includes; a directory pattern covers its files."""
     ignored = False
