@@ -178,10 +178,14 @@ def serve_sh(*args: str, log_path: str, timeout: float = 300.0) -> Iterator[subp
     with socket.socket() as s:
         if s.connect_ex(("127.0.0.1", 8000)) == 0:
             raise AssertionError("port 8000 is taken: deploy/serve.sh needs it")
+    # As a user starts it: without the Serve settings that start_serve leaves in this process's environment
+    # (a test's Python proxy instead of HAProxy, its HAProxy ports), nor a Ray cluster's address.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_") and k != "RAY_ADDRESS"}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             ["bash", os.path.join(ROOT, "deploy", "serve.sh"), *args],
             cwd=ROOT,
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -48,10 +48,10 @@ def _listening(port: int) -> set:
 
 
 def _assert_haproxy_admin_ports_on_localhost() -> None:
-    """HAProxy's stats page and exporter (Ray's ports: RAY_SERVE_HAPROXY_*_PORT, 8404 and 9101 unless set)
-    listen on 127.0.0.1 only and answer there; the endpoint answers on port 8000."""
-    stats = int(os.environ.get("RAY_SERVE_HAPROXY_STATS_PORT", "8404"))
-    metrics = int(os.environ.get("RAY_SERVE_HAPROXY_METRICS_PORT", "9101"))
+    """HAProxy's stats page and exporter (Ray's default ports, 8404 and 9101: serve_sh starts serve.sh without
+    this process's RAY_SERVE_* settings) listen on 127.0.0.1 only and answer there; the endpoint answers on
+    port 8000."""
+    stats, metrics = 8404, 9101
     for port in (stats, metrics):
         assert wait_for(lambda: _listening(port), 30, f"HAProxy listening on port {port}") == {"127.0.0.1"}
     assert httpx.get(f"http://127.0.0.1:{stats}/stats", timeout=30).status_code == 200
