@@ -107,6 +107,11 @@ def test_bench_overload_sees_the_excess_refused(default_engine, tmp_path):
     burst = phases["burst"]
     assert burst["admitted"] + burst["refused"] == 8 and burst["refused"] >= 1
     assert burst["statuses"] == [200, 503] and burst["retry_after"] == ["1"]
+    # each request also timed from its own send, which follows the burst start
+    assert 0 <= burst["first_send_s"] <= burst["last_send_s"]
+    assert burst["send_spread_s"] == burst["last_send_s"] - burst["first_send_s"]
+    assert 0 < burst["slowest_refusal_from_send_s"] <= burst["slowest_refusal_s"]
+    assert 0 < burst["admitted_p99_from_send_s"] <= burst["admitted_p99_s"]
     assert_no_leak(default_engine)
 
 
