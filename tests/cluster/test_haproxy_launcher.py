@@ -127,3 +127,12 @@ def test_haproxy_listens_on_127_0_0_1_as_the_process_ray_started(tmp_path):
     finally:
         proc.kill()
         proc.wait(timeout=30)
+
+
+def test_binary_path_env_keeps_a_set_path_else_names_the_installed_script(monkeypatch):
+    monkeypatch.setattr(hl, "installed_script", lambda: "/venv/bin/radixserve-haproxy")
+    assert hl.binary_path_env({}) == {"RAY_SERVE_HAPROXY_BINARY_PATH": "/venv/bin/radixserve-haproxy"}
+    mine = {"RAY_SERVE_HAPROXY_BINARY_PATH": "/opt/haproxy"}
+    assert hl.binary_path_env(mine) == mine
+    monkeypatch.setattr(hl, "installed_script", lambda: None)
+    assert hl.binary_path_env({}) == {}
