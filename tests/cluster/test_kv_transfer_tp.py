@@ -19,6 +19,7 @@ pytest.importorskip("nixl_cu13._api")
 
 from cluster.kv_transfer import KVTransferError, kv_pool_buffers, make_backend  # noqa: E402
 from cluster.kv_transfer.ranked import RankedPeerInfo, RankedTransfer  # noqa: E402
+from engine.errors import EngineDeadError  # noqa: E402
 from engine_harness import make_engine  # noqa: E402
 
 PAGE = 4
@@ -82,12 +83,17 @@ def test_a_peer_of_another_tensor_parallel_size_is_refused(setup):
 
 
 def test_a_dead_rank_fails_the_transfer(setup):
+    """A transfer waiting when rank 1 dies fails naming it; once the engine has stopped (it polls its ranks),
+    a new transfer is refused at once with the engine's error, which names the rank too (a dead replica's
+    error: the cluster retries the request elsewhere)."""
     engine, transfer, _, _ = setup
     tp = engine.runner.tp
+    waiting = transfer.expect("peer", [12], "before-death")
     os.kill(tp.processes.pids[0], signal.SIGKILL)
-    deadline = time.monotonic() + TIMEOUT_S  # a guard against a hang, not a speed requirement
-    while tp.failure is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    handle = transfer.expect("peer", [12], "after-death")
     with pytest.raises(KVTransferError, match="rank 1"):
-        transfer.wait_sync(handle, TIMEOUT_S)
+        transfer.wait_sync(waiting, TIMEOUT_S)
+    deadline = time.monotonic() + TIMEOUT_S  # a guard against a hang, not a speed requirement
+    while engine.core.dead is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(EngineDeadError, match="rank 1"):
+        transfer.expect("peer", [13], "after-death")
