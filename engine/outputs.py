@@ -7,6 +7,7 @@ that they pickle compactly across the process boundary between an Engine and its
         ──GenerateOutput (whole choice, the sync API)
 
     Engine.stats() ──EngineStats (state between two steps, counters since start)
+    RadixCache.drain_events() ──CacheEvent (what a router replays onto its copy of the tree)
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Literal, Optional, Tuple
 
 
 class FinishReason(str, enum.Enum):
@@ -167,3 +168,18 @@ class EngineStats:
     def as_dict(self) -> Dict[str, float]:
         """Every field by name (JSON bodies, Prometheus, the cluster's worker reports)."""
         return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class CacheEvent:
+    """A change of the tree's content, for the router to replay.
+
+    insert: the last `num_tokens` tokens of `token_ids` are now cached (the rest was already).
+    evict: the last `num_tokens` tokens of `token_ids` are no longer cached; evicted nodes are
+    leaves, so nothing below them was cached either.
+    """
+
+    kind: Literal["insert", "evict"]
+    token_ids: Tuple[int, ...]
+    """The full key path from the root to the end of the affected node."""
+    num_tokens: int

@@ -35,8 +35,7 @@ from ray import serve
 from cluster.workers.stats import RoleCounters, WorkerStats
 
 if TYPE_CHECKING:  # pragma: no cover
-    from engine.memory.radix_cache import CacheEvent
-    from engine.outputs import EngineStats
+    from engine.outputs import CacheEvent, EngineStats
 
 logger = logging.getLogger("ray.serve")
 

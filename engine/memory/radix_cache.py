@@ -44,6 +44,8 @@ from typing import Dict, Iterator, List, Literal, Optional, Sequence, Tuple, Uni
 
 import torch
 
+from engine.outputs import CacheEvent
+
 ChildKey = Union[int, Tuple[int, ...]]
 
 
@@ -83,21 +85,6 @@ class MatchResult:
     """Deepest matched node (the root if nothing matched); lock it to protect the prefix."""
     prefix_len: int
     """Number of matched tokens; a multiple of page_size."""
-
-
-@dataclass(frozen=True)
-class CacheEvent:
-    """A change of the tree's content, for the router to replay.
-
-    insert: the last `num_tokens` tokens of `token_ids` are now cached (the rest was already).
-    evict: the last `num_tokens` tokens of `token_ids` are no longer cached; evicted nodes are
-    leaves, so nothing below them was cached either.
-    """
-
-    kind: Literal["insert", "evict"]
-    token_ids: Tuple[int, ...]
-    """The full key path from the root to the end of the affected node."""
-    num_tokens: int
 
 
 @dataclass

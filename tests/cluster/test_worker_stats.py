@@ -260,3 +260,22 @@ def test_ingress_reads_worker_stats_by_attribute():
     assert running == {"a": 3.0, "b": 2.0, "new": 0.0}
     routed = {s.labels["replica"]: s.value for s in families["radixserve_router_routed_requests"].samples}
     assert routed == {"a": 1.0, "b": 1.0, "new": 1.0}
+
+
+def test_a_report_reaches_the_router_without_torch():
+    """The router's process never loads torch: the cache events and stats of a worker's report (made here by a
+    real RadixCache) unpickle without it."""
+    import subprocess
+
+    from engine.memory.allocator import TokenToKVPoolAllocator
+    from engine.memory.radix_cache import RadixCache
+
+    alloc = TokenToKVPoolAllocator(num_pages=8, page_size=1)
+    cache = RadixCache(alloc, page_size=1)
+    cache.insert([1, 2, 3], alloc.alloc_pages(3))
+    events = cache.drain_events()
+    assert [e.kind for e in events] == ["insert"]
+    data = pickle.dumps((worker_stats(), events))
+    code = "import pickle, sys; pickle.loads(sys.stdin.buffer.read()); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], input=data, capture_output=True, check=True).stdout
+    assert out.strip() == b"False"

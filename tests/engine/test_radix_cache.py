@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.memory.radix_cache import CacheEvent, RadixCache
+from engine.memory.radix_cache import RadixCache
+from engine.outputs import CacheEvent
 
 
 class FakeAllocator:
