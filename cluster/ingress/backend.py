@@ -44,7 +44,7 @@ from cluster.router.policies import NoWorkersError
 from cluster.rpc import STREAM_OPTIONS, awaited, detached, is_dead, unwrap
 from cluster.workers.base import WorkerItem, WrongReplicaError
 from cluster.router.policies import PoolFullError
-from engine.errors import QueueFullError
+from engine.errors import InvalidRequestError, QueueFullError
 from engine.sampling_params import SamplingParams
 from engine.text import OutputText
 from serving.backend import ServingBackend, ServingLoad
@@ -64,11 +64,15 @@ MAX_ROUTE_ATTEMPTS = 3
 pair) that left under it, failed or refused it, before or while it streamed."""
 
 
+ATTEMPT_SEP = "@"
+"""Separates a request's id from its attempt number in the ids of its later attempts (refused in a client's)."""
+
+
 def attempt_rid(rid: str, attempt: int) -> str:
     """The id under which attempt number `attempt` (from 1) of request `rid` runs on its replicas: `rid` itself
     for the first, `<rid>@<attempt>` for the next ones ("#" is taken: an engine runs choice i of a request of
     several as "<rid>#<i>")."""
-    return rid if attempt == 1 else f"{rid}@{attempt}"
+    return rid if attempt == 1 else f"{rid}{ATTEMPT_SEP}{attempt}"
 
 
 def no_workers(message: str) -> APIError:
@@ -223,6 +227,8 @@ class ClusterBackend(ServingBackend):
         """The last ClusterStats fetched (for the per-worker metrics collector)."""
         self.held = 0
         """Requests of this replica between their arrival here and their end."""
+        self._rids: set = set()
+        """Their ids."""
         self.pool_capacity: Optional[int] = None
         """Requests the (decode or unified) pool admits, from the router's last decision; None: unknown."""
 
@@ -271,16 +277,24 @@ class ClusterBackend(ServingBackend):
 
     async def generate_stream(self, input_ids: List[int], params: Any, rid: str) -> AsyncIterator[Any]:
         """The request's outputs (see `_attempts`); refused at once when this replica alone holds as many
-        requests as the pool admits."""
+        requests as the pool admits. `rid` is the client's (SGLang's /generate takes one) or the routes' own:
+        it must not be in flight on this replica (its worker stream routes outputs by id) nor contain
+        ATTEMPT_SEP (reserved for the ids of later attempts): InvalidRequestError otherwise."""
+        if ATTEMPT_SEP in rid:
+            raise InvalidRequestError(f"request id {rid!r}: {ATTEMPT_SEP!r} is reserved for retries", param="rid")
+        if rid in self._rids:
+            raise InvalidRequestError(f"request id {rid!r} is already in use", param="rid")
         capacity = self.pool_capacity
         if capacity is not None and self.held >= capacity:
             raise queue_full(f"the cluster is full ({capacity} requests admitted by its workers); retry later")
         self.held += 1
+        self._rids.add(rid)
         try:
             async for out in self._attempts(input_ids, params, rid):
                 yield out
         finally:
             self.held -= 1
+            self._rids.discard(rid)
 
     async def _attempts(self, input_ids: List[int], params: Any, rid: str) -> AsyncIterator[Any]:
         """Route, submit, stream; again elsewhere when a worker refuses (full), fails or leaves: one skeleton

@@ -444,3 +444,32 @@ def test_a_request_whose_replica_leaves_on_every_attempt_ends_as_no_workers(toke
             error = json.loads(events[-2])["error"]
             assert (error["type"], error["code"]) == ("service_unavailable", "no_workers")
     assert router.dead == {"D1", "D2", "D3"}
+
+
+def test_a_request_id_in_flight_here_or_with_the_attempt_separator_is_refused(tokenizer):
+    """A client's request id (SGLang's /generate takes one) is refused before routing while a request of this
+    ingress replica holds it (its worker stream routes outputs by id), or when it carries "@" (later attempts'
+    ids): InvalidRequestError, a 400. The request that holds the id is not disturbed."""
+    release = asyncio.Event()
+
+    async def waits(a):
+        if a.start():
+            await release.wait()
+            await a.stream()
+
+    backend, router, _, _ = _disaggregated(tokenizer, [waits])
+
+    async def run():
+        first = asyncio.ensure_future(_text(backend.generate_stream(PROMPT, _greedy(), "x")))
+        await _settled()
+        with pytest.raises(InvalidRequestError, match="already in use"):
+            await _text(backend.generate_stream(PROMPT, _greedy(), "x"))
+        with pytest.raises(InvalidRequestError, match="reserved"):
+            await _text(backend.generate_stream(PROMPT, _greedy(), "y@2"))
+        release.set()
+        text = await first
+        return text, await _text(backend.generate_stream(PROMPT, _greedy(), "x"))  # free again once it ended
+
+    first, again = asyncio.run(run())
+    assert first == again == tokenizer.decode(TOKENS)
+    assert router.routed == ["x", "x"]
