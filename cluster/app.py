@@ -42,6 +42,9 @@ from cluster.workers.unified import Worker
 logger = logging.getLogger("ray.serve")
 
 PINNED_ROUTER = "cluster.pinning:PinnedRequestRouter"
+SHUTDOWN_POLL_S = 0.5
+"""How often a stopping replica (ingress, router, worker) checks whether its requests are over (Serve's default is 2 s):
+a replica stops at most this long after its last request ended."""
 
 
 def _cluster_resources() -> dict:
@@ -89,6 +92,7 @@ def _pool_deployment(cls, name: str, pool: str, args: ClusterArgs, num_gpus: flo
         health_check_period_s=args.health_check_period_s,
         health_check_timeout_s=60,
         graceful_shutdown_timeout_s=5,
+        graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
         logging_config={"enable_access_log": args.worker_access_log},
     )
 
@@ -133,6 +137,7 @@ def deployment(args: ClusterArgs) -> Application:
             num_replicas=1,
             max_ongoing_requests=4096,
             ray_actor_options={"num_cpus": args.router_num_cpus},
+            graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
         )
         .bind(
             pools,
@@ -150,6 +155,7 @@ def deployment(args: ClusterArgs) -> Application:
             num_replicas=_ingress_replicas(args),
             max_ongoing_requests=args.ingress_max_ongoing_requests,
             ray_actor_options={"num_cpus": args.ingress_num_cpus},
+            graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
         )
         .bind(
             router,

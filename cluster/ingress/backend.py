@@ -236,6 +236,18 @@ class ClusterBackend(ServingBackend):
     def vocab_size(self) -> int:
         return self._vocab_size
 
+    def close(self) -> None:
+        """This replica is stopping: end its stream from every worker (a worker counts an open stream as a
+        request in progress, so it would otherwise wait out its whole graceful shutdown for it)."""
+        for stream in list(self._streams.values()):
+            stream.cancel()
+        self._streams.clear()
+
+    def admission_limit(self) -> Optional[int]:
+        """The pool's capacity as the router last reported it (see ServingBackend.admission_limit): the HTTP
+        requests this replica holds are at most the pool's load, so no request the pool admits is refused."""
+        return self.pool_capacity
+
     async def _ask_router(self, make_call: Callable[[], Any], finish: Callable[[Any], None]) -> Tuple[Any, float]:
         """Await the routing call `make_call()` (bounded): (decision, the call's milliseconds, also recorded in
         self.latency); no worker → HTTP 503.

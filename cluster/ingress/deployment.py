@@ -58,6 +58,13 @@ class Ingress:
         else:
             self.backend = ClusterBackend(router, workers, tokenizer, info.context_len, info.vocab_size)
 
+    def __del__(self) -> None:
+        """Serve calls it once this replica has drained (its HTTP requests are over): the streams from the
+        workers end here, so that workers stopping with it need not wait for them."""
+        backend = getattr(self, "backend", None)
+        if backend is not None:
+            backend.close()
+
     async def drain(self, grace_s: float) -> int:
         """Stop admitting (503 + Retry-After, /health 503) and wait until this replica's requests are over:
         those still running after `grace_s` end with a `shutting_down` error event and [DONE]. Returns
