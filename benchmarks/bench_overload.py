@@ -11,7 +11,8 @@ phase's counts, status codes, Retry-After values, admitted p50/p99 and the slowe
 counted two ways: from the burst start (what a user who fires them at once sees) and from the
 request's own send (its last byte written to the socket: the server's share, with the client's delay
 in reading the answer), and when the client had sent them (last send: from the burst start, its
-connections included; send spread: first send to last send). Asserts nothing about timings.
+connections included; send spread: first send to last send). Asserts nothing about timings. The JSON
+holds a list of runs (`--append` adds one to a file's runs, e.g. one run per server start).
 
     bash deploy/serve.sh served_model_name=m &     # or: python -m serving --served-model-name m
     python benchmarks/bench_overload.py --url http://127.0.0.1:8000 --model m
@@ -102,6 +103,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--label", default="", help="names the server in the JSON file name")
     p.add_argument("--out", default=None)
+    p.add_argument("--append", action="store_true", help="add this run to the runs already in --out")
     args = p.parse_args()
 
     phases = {}
@@ -130,16 +132,19 @@ def main() -> None:
     out = args.out or os.path.join(
         RESULTS, f"overload_{args.label or 'server'}_{hw.get('gpu', 'cpu').replace(' ', '-')}.json"
     )
+    run = {
+        "args": vars(args),
+        "phases": phases,
+        "burst_p99_over_capacity_p99": ratio,
+        "burst_p99_over_capacity_p99_from_send": ratio_from_send,
+    }
+    runs = []
+    if args.append and os.path.exists(out):
+        with open(out) as f:
+            runs = json.load(f)["runs"]
     with open(out, "w") as f:
-        record = {
-            "hardware": hw,
-            "args": vars(args),
-            "phases": phases,
-            "burst_p99_over_capacity_p99": ratio,
-            "burst_p99_over_capacity_p99_from_send": ratio_from_send,
-        }
-        json.dump(record, f, indent=2)
-    print(f"wrote {out}")
+        json.dump({"hardware": hw, "runs": runs + [run]}, f, indent=2)
+    print(f"wrote {out} ({len(runs) + 1} runs)")
 
 
 if __name__ == "__main__":

@@ -2,12 +2,13 @@
 
 Request path: ASGI middlewares (outermost first) answer CORS (`cors_origins`; off by default: no
 CORS headers, OPTIONS preflights get a 405), count requests by route and status
-(`_RequestMetrics`), reject bodies over `max_body_bytes` with 413 (`_BodyLimit`, which buffers
-the body and replays it), check the API key on /v1/* and /generate (`_ApiKeyAuth`) and, when set,
-a key's requests per minute (`RateLimit`, serving/ratelimit.py; its tokens are charged in
-ServingState.start_stream); then the
-routes (openai_routes, generate_routes) translate to token ids and SamplingParams and stream from
-the backend. The cluster ingress builds the same app over its own backend.
+(`_RequestMetrics`), check the API key on /v1/* and /generate (`_ApiKeyAuth`) and, when set, a
+key's requests per minute (`RateLimit`, serving/ratelimit.py; its tokens are charged in
+ServingState.start_stream), refuse a generation request at once, before its body is read, when the
+app already holds as many as the backend admits (`AdmissionGate`, serving/admission.py) and reject
+bodies over `max_body_bytes` with 413 (`_BodyLimit`, which buffers the body and replays it); then the routes
+(openai_routes, generate_routes) translate to token ids and SamplingParams and stream from the
+backend. The cluster ingress builds the same app over its own backend.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serving import anthropic, generate_routes, openai_routes, responses
+from serving.admission import AdmissionGate
 from serving.backend import ServingBackend
 from serving.errors import error_response, install_error_handlers
 from serving.lifetime import Lifetimes
@@ -81,13 +83,14 @@ def build_app(
     app.include_router(responses.router)
     app.include_router(anthropic.router)
     app.state.response_store = response_store if response_store is not None else LocalResponseStore()
+    app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(AdmissionGate, backend=backend)  # before a body is read: a burst's excess is refused first
     app.state.rate_limiter = None
     if rate_limits is not None and rate_limits.enabled:  # inside the key check: only known keys count
         app.state.rate_limiter = RateLimiter(rate_limits)
         app.add_middleware(RateLimit, limiter=app.state.rate_limiter)
     if api_key:
         app.add_middleware(_ApiKeyAuth, api_key=api_key, exempt_prefixes=own_auth_prefixes)
-    app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
     app.add_middleware(anthropic.AnthropicErrorShape)  # outside every layer that may answer an error
     app.add_middleware(_RequestMetrics, metrics=metrics)
     if cors_origins:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import abc
 import asyncio
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, List
+from typing import Any, AsyncIterator, List, Optional
 
 from engine.sampling_params import SamplingParams
 
@@ -52,6 +52,12 @@ class ServingBackend(abc.ABC):
     def generate_stream(self, input_ids: List[int], params: SamplingParams, rid: str) -> AsyncIterator[Any]:
         """An async iterator of StreamOutput (see the module docstring for the contract)."""
 
+    def admission_limit(self) -> Optional[int]:
+        """Most generation requests one app over this backend may hold at once, or None (no limit known; the
+        backend refuses from its own queue). serving.admission.AdmissionGate refuses requests beyond it before
+        reading them; it must never be below what the backend admits."""
+        return None
+
     @abc.abstractmethod
     def abort(self, rid: str) -> None:
         """Abort every choice of request `rid` (a no-op when it already finished)."""
@@ -76,6 +82,11 @@ class EngineBackend(ServingBackend):
     @property
     def vocab_size(self) -> int:
         return self.engine.vocab_size
+
+    def admission_limit(self) -> Optional[int]:
+        """What the engine admits (max_running_requests + max_queued_requests; None: unbounded): the HTTP
+        requests of this app are at most its requests (a request of n choices holds n places there)."""
+        return self.engine.config.admission_limit
 
     def generate_stream(self, input_ids: List[int], params: SamplingParams, rid: str) -> AsyncIterator[Any]:
         return self.engine.generate_stream(input_ids, params, rid=rid)

@@ -20,6 +20,8 @@ MAX_ROUTE_ATTEMPTS in all.
 Ingress replicas hold no routing state (it lives in the router deployment), so they scale freely.
 
 Load (503 queue_full + Retry-After, fastest first):
+    - this replica's app already holds as many HTTP requests as the pool admits: refused before the body
+      is read (serving.admission.AdmissionGate over `admission_limit()`);
     - this replica alone holds as many requests as the pool admits (the capacity the router's last
       decision reported): refused at once, no call at all (the router's count covers every ingress
       replica, so this is only a lower bound of the pool's load: it never refuses what the pool admits);

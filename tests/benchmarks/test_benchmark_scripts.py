@@ -102,7 +102,8 @@ def test_bench_overload_sees_the_excess_refused(default_engine, tmp_path):
         object.__setattr__(config, "max_running_requests", saved[0])
         object.__setattr__(config, "max_queued_requests", saved[1])
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    phases = json.loads(out.read_text())["phases"]
+    (run,) = json.loads(out.read_text())["runs"]
+    phases = run["phases"]
     assert phases["capacity"]["admitted"] == 3 and phases["capacity"]["refused"] == 0
     burst = phases["burst"]
     assert burst["admitted"] + burst["refused"] == 8 and burst["refused"] >= 1
