@@ -30,7 +30,7 @@ from typing import Deque
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serving.backend import ServingBackend
-from serving.errors import error_response, queue_full
+from serving.errors import queue_full
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/generate"})
 """POST routes that run the model (what the gate counts and may refuse)."""
@@ -64,8 +64,8 @@ class AdmissionGate:
             await self.app(scope, receive, send)
             return
         if self.held >= limit:
-            err = queue_full(f"the server is full ({limit} requests admitted); retry later")
-            await error_response(err.status, err.message, None, err.code, err.headers)(scope, receive, send)
+            refusal = queue_full(f"the server is full ({limit} requests admitted); retry later").response()
+            await refusal(scope, receive, send)
             return
         self.held += 1
         try:

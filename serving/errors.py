@@ -68,6 +68,10 @@ class APIError(Exception):
     def headers(self) -> Optional[dict]:
         return None if self.retry_after is None else {"Retry-After": str(self.retry_after)}
 
+    def response(self) -> JSONResponse:
+        """The OpenAI-shaped error response of this error (its Retry-After header included)."""
+        return error_response(self.status, self.message, self.param, self.code, self.headers, self.type)
+
 
 def error_body(
     status: int, message: str, param: Optional[str] = None, code: Any = None, type: Optional[str] = None
@@ -140,7 +144,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers, exc.type)
+        return exc.response()
 
     @app.exception_handler(EngineError)
     async def _engine_error(_: Request, exc: EngineError) -> JSONResponse:
@@ -161,5 +165,4 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _other(_: Request, exc: Exception) -> JSONResponse:
-        err = to_api_error(exc)
-        return error_response(err.status, err.message, err.param, err.code, err.headers, err.type)
+        return to_api_error(exc).response()

@@ -227,16 +227,19 @@ class ClusterBackend(ServingBackend):
         """This replica's routing-call and call → first message times (GET /router/stats, "ingress")."""
         self.last_stats: Optional["ClusterStats"] = None
         """The last ClusterStats fetched (for the per-worker metrics collector)."""
-        self.held = 0
-        """Requests of this replica between their arrival here and their end."""
         self._rids: set = set()
-        """Their ids."""
+        """Ids of this replica's requests between their arrival here and their end."""
         self.pool_capacity: Optional[int] = None
         """Requests the (decode or unified) pool admits, from the router's last decision; None: unknown."""
 
     @property
     def vocab_size(self) -> int:
         return self._vocab_size
+
+    @property
+    def held(self) -> int:
+        """Requests of this replica between their arrival here and their end."""
+        return len(self._rids)
 
     def close(self) -> None:
         """This replica is stopping: end its stream from every worker (a worker counts an open stream as a
@@ -301,13 +304,11 @@ class ClusterBackend(ServingBackend):
         capacity = self.pool_capacity
         if capacity is not None and self.held >= capacity:
             raise queue_full(f"the cluster is full ({capacity} requests admitted by its workers); retry later")
-        self.held += 1
         self._rids.add(rid)
         try:
             async for out in self._attempts(input_ids, params, rid):
                 yield out
         finally:
-            self.held -= 1
             self._rids.discard(rid)
 
     async def _attempts(self, input_ids: List[int], params: Any, rid: str) -> AsyncIterator[Any]:
