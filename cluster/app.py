@@ -70,6 +70,16 @@ def _ingress_replicas(args) -> int:
     return default_ingress_replicas(_cluster_resources().get("CPU", 0.0))
 
 
+def ingress_runtime_env(args: ClusterArgs, num_gpus: float) -> dict:
+    """Runtime env of the ingress replicas, which sets their event loop (`ingress_event_loop`; 'auto': uvloop
+    when the workers have GPUs (`num_gpus` per worker), else asyncio). Ray builds an actor's loop with uvloop
+    unless RAY_USE_UVLOOP is 0 in its process (docs/serving-path.md, "Accepting connections")."""
+    loop = args.ingress_event_loop
+    if loop == "auto":
+        loop = "uvloop" if num_gpus > 0 else "asyncio"
+    return {"env_vars": {"RAY_USE_UVLOOP": "1" if loop == "uvloop" else "0"}}
+
+
 def _cpus_per_worker(args) -> float:
     """args.num_cpus, else 1 CPU per worker replica, or less when the Ray cluster's CPUs (minus the
     ingress's and the router's) cannot give every initial replica one."""
@@ -154,7 +164,7 @@ def deployment(args: ClusterArgs) -> Application:
             name="Ingress",
             num_replicas=_ingress_replicas(args),
             max_ongoing_requests=args.ingress_max_ongoing_requests,
-            ray_actor_options={"num_cpus": args.ingress_num_cpus},
+            ray_actor_options={"num_cpus": args.ingress_num_cpus, "runtime_env": ingress_runtime_env(args, num_gpus)},
             graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
         )
         .bind(

@@ -29,6 +29,7 @@ from serving.response_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, Store
 PolicyName = Literal["cache_aware", "round_robin", "power_of_two", "random", "prefix_hash"]
 Mode = Literal["unified", "disaggregated"]
 KVTransferName = Literal["nixl", "nccl"]
+EventLoopName = Literal["auto", "asyncio", "uvloop"]
 PoolName = Literal["unified", "prefill", "decode"]
 """The worker pools: `unified` in unified mode; `prefill` and `decode` in disaggregated mode."""
 
@@ -184,6 +185,14 @@ class _ClusterFields(BaseModel):
         "ingress replica's event loop is the bottleneck.",
     )
     ingress_num_cpus: float = Field(0.25, ge=0.0, description="CPUs reserved per ingress replica.")
+    ingress_event_loop: EventLoopName = Field(
+        "auto",
+        description="Event loop of each ingress replica. 'uvloop' (libuv) costs less per message: it serves "
+        "more streams per second; but a busy uvloop accepts one new connection per turn, so requests on new "
+        "connections wait in the kernel's accept queue. 'asyncio' (Python's own) accepts every pending "
+        "connection at once. 'auto': uvloop when the workers have GPUs, else asyncio "
+        "(docs/serving-path.md, 'Accepting connections').",
+    )
     router_num_cpus: float = Field(0.1, ge=0.0, description="CPUs reserved by the router replica.")
     max_ongoing_requests: int = Field(
         1024,

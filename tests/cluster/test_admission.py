@@ -127,6 +127,31 @@ def test_full_pool_is_refused_without_calling_a_worker(cluster, http):
     wait_for(lambda: set(_in_flight(http).values()) == {0}, 60, "the router to count nothing in flight")
 
 
+def _replica_environ(deployment: str) -> list:
+    """Environment of each live replica process of `deployment` in APP (Ray names them
+    ray::ServeReplica:<app>:<deployment>)."""
+    import pathlib
+
+    title = f"ServeReplica:{APP}:{deployment}".encode()
+    found = []
+    for proc in pathlib.Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and title in (proc / "cmdline").read_bytes():
+                found.append(dict(e.split("=", 1) for e in (proc / "environ").read_text().split("\0") if "=" in e))
+        except OSError:  # the process ended meanwhile, or is not ours
+            continue
+    return found
+
+
+def test_ingress_replicas_run_asyncio_event_loop(cluster):
+    """The default ingress_event_loop with CPU workers: Ray builds the replica's loop without uvloop
+    (RAY_USE_UVLOOP=0 in its process), whose accept takes every pending connection at once instead of one
+    per turn."""
+    envs = _replica_environ("Ingress")
+    assert envs, "no ingress replica process found"
+    assert all(env.get("RAY_USE_UVLOOP") == "0" for env in envs)
+
+
 def test_rate_limit_per_key_at_the_ingress(cluster, http):
     """40 requests of one key at once against 30 per minute: the excess gets OpenAI's 429 with Retry-After
     and the x-ratelimit headers (of those the limit let through, what the 4 places of the pool cannot hold

@@ -79,6 +79,20 @@ def test_builder_wires_three_deployments():
     assert router._bound_deployment.init_args[1] == "prefix_hash"
 
 
+def test_ingress_event_loop_reaches_the_replicas_runtime_env():
+    def ingress_env(**kw):
+        app = deployment(ClusterArgs(num_cpus=0.5, **kw))
+        return app._bound_deployment.ray_actor_options["runtime_env"]["env_vars"]
+
+    # auto: asyncio for CPU workers (every pending connection accepted at once), uvloop for GPU workers
+    assert ingress_env(num_gpus=0) == {"RAY_USE_UVLOOP": "0"}
+    assert ingress_env(num_gpus=1) == {"RAY_USE_UVLOOP": "1"}
+    assert ingress_env(num_gpus=0, ingress_event_loop="uvloop") == {"RAY_USE_UVLOOP": "1"}
+    assert ingress_env(num_gpus=1, ingress_event_loop="asyncio") == {"RAY_USE_UVLOOP": "0"}
+    with pytest.raises(ValueError):
+        ClusterArgs(ingress_event_loop="trio")
+
+
 def test_workers_reserve_a_gpu_per_tensor_parallel_rank(monkeypatch):
     import cluster.app
 
