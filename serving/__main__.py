@@ -26,14 +26,15 @@ _SERVER_FIELDS = {"model"}
 SERVER_DEFAULTS = {
     "core_process": True,
     "enable_mixed_chunk": True,
-    "max_prefill_tokens": 8192,
+    "max_prefill_tokens": 2048,
     "max_queued_requests": 128,
 }
 """Engine options whose server default differs from the library's (offline) one: a server runs its
 scheduler in a process of its own, so that HTTP, text and SSE never stall a step; and it bounds the
 latency of running requests while prompts arrive: each step carries their decode tokens beside the
-prefill, within a budget of 8192 tokens (vLLM's server default), where an offline batch prefers
-larger prefill steps. A server also sheds load: beyond max_running_requests, at most 128 requests
+prefill, within a budget of 2048 tokens per step (earlier first tokens than larger budgets, and no fewer
+requests per second under load: benchmarks/README.md, "Step token budget"), where an offline batch
+prefers larger prefill steps. A server also sheds load: beyond max_running_requests, at most 128 requests
 wait (half a batch at the default 256), so an admitted request's wait stays bounded and the excess
 gets a fast 503 with Retry-After; an offline batch queues everything. The cluster's workers use the
 same (cluster/config.py)."""
