@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import signal
 import typing
 from typing import Any, List, Optional
 
@@ -182,6 +183,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         cors_origins=parse_origins(args.cors_origins),
         response_store=LocalResponseStore(StoreLimits(args.response_store_max_entries, args.response_store_max_bytes)),
     )
+    interrupted = False
     try:
         server.run(
             app,
@@ -191,8 +193,13 @@ def main(argv: Optional[List[str]] = None) -> None:
             grace_s=args.graceful_shutdown_timeout_s,
             on_stopped=engine.shutdown,
         )
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it caught once the drain is over
+        interrupted = True
     finally:
         engine.shutdown()
+    if interrupted:  # end as SIGINT asks (status -SIGINT for a parent that waits), without a traceback
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
 
 
 if __name__ == "__main__":

@@ -379,19 +379,19 @@ class ModelRunner:
 
     def check_ranks(self) -> None:
         """Rank 0: raise TensorParallelError if another rank's process has exited (a no-op otherwise)."""
-        failure = self.tp.failure if getattr(self, "tp", None) is not None else None
+        failure = self.tp.failure if self.tp is not None else None
         if failure is not None:
             raise failure
 
     @property
     def watches_ranks(self) -> bool:
         """Rank 0 of a tensor-parallel group: other ranks' processes can die under it."""
-        return getattr(self, "tp", None) is not None and self.tp.processes is not None
+        return self.tp is not None and self.tp.processes is not None
 
     def close(self) -> None:
         """Rank 0: stop the other ranks; every rank: leave the group. A no-op without tensor parallelism;
         idempotent."""
-        tp, self.tp = getattr(self, "tp", None), None
+        tp, self.tp = self.tp, None
         if tp is None:
             return
         if tp.processes is not None:

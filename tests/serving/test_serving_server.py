@@ -1,6 +1,6 @@
 """`python -m serving` as a user starts it: the HTTP process plus its engine core process (the server's
 default). A streamed completion gives the engine's greedy text, one chunk per step that produced a token,
-KV usage is back to 0 afterwards, and Ctrl-C stops both processes."""
+KV usage is back to 0 afterwards, and Ctrl-C stops both processes, without a traceback."""
 
 import json
 import os
@@ -23,8 +23,10 @@ def _children(pid: int) -> list:
 
 
 @pytest.fixture(scope="module")
-def server():
-    with python_m_serving("--max-total-tokens", "8192", "--served-model-name", "m") as (proc, url):
+def server(tmp_path_factory):
+    log = str(tmp_path_factory.mktemp("serving") / "server.log")
+    with python_m_serving("--max-total-tokens", "8192", "--served-model-name", "m", log_path=log) as (proc, url):
+        proc.log_path = log
         yield proc, url
 
 
@@ -57,7 +59,9 @@ def test_ctrl_c_stops_the_server_and_its_core(server):
     core = _children(proc.pid)
     assert core, "the engine core process is missing"
     proc.send_signal(signal.SIGINT)
-    proc.wait(timeout=60)
+    assert proc.wait(timeout=60) == -signal.SIGINT  # ends as the signal asks
+    log = open(proc.log_path).read()
+    assert "Traceback" not in log, log[-3000:]  # a clean stop, as a user at a terminal sees it
     deadline = time.time() + 30
     while any(os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z" for pid in core):
         assert time.time() < deadline, f"engine core {core} outlived its server"
