@@ -57,17 +57,26 @@ def wait_idle(engine, timeout: float = 20.0) -> dict:
         time.sleep(0.05)
 
 
+_AS_AT_A_TERMINAL = (
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv[0] = 'serving'; runpy.run_module('serving', run_name='__main__', alter_sys=True)"
+)
+"""`python -m serving` with Ctrl-C (SIGINT) handled as at a terminal: a test run started in the background
+(`cmd &`) ignores SIGINT, and its children would inherit that."""
+
+
 @contextlib.contextmanager
 def python_m_serving(*args: str, log_path: Optional[str] = None) -> Iterator[Tuple[subprocess.Popen, str]]:
-    """`python -m serving --port PORT *args` on a free port, from the repository root; yields (process,
-    base URL) once /health answers 200 (the process must stay alive meanwhile: its log's tail otherwise).
-    Output goes to `log_path` (else this process's). Killed at the end if still running."""
+    """`python -m serving --port PORT *args` (run as _AS_AT_A_TERMINAL) on a free port, from the repository
+    root; yields (process, base URL) once /health answers 200 (the process must stay alive meanwhile: its
+    log's tail otherwise). Output goes to `log_path` (else this process's). Killed at the end if still
+    running."""
     import httpx
 
     port = free_port()
     log = open(log_path, "w") if log_path else None
     proc = subprocess.Popen(
-        [sys.executable, "-m", "serving", "--port", str(port), *args],
+        [sys.executable, "-c", _AS_AT_A_TERMINAL, "--port", str(port), *args],
         cwd=ROOT,
         stdout=log,
         stderr=subprocess.STDOUT if log else None,
