@@ -130,15 +130,15 @@ def test_full_pool_is_refused_without_calling_a_worker(cluster, http):
 def _replica_environ(deployment: str) -> list:
     """Environment of each live replica process of `deployment` in APP (Ray names them
     ray::ServeReplica:<app>:<deployment>)."""
-    import pathlib
+    import psutil
 
-    title = f"ServeReplica:{APP}:{deployment}".encode()
+    title = f"ServeReplica:{APP}:{deployment}"
     found = []
-    for proc in pathlib.Path("/proc").iterdir():
+    for proc in psutil.process_iter(["cmdline"]):
         try:
-            if proc.name.isdigit() and title in (proc / "cmdline").read_bytes():
-                found.append(dict(e.split("=", 1) for e in (proc / "environ").read_text().split("\0") if "=" in e))
-        except OSError:  # the process ended meanwhile, or is not ours
+            if title in " ".join(proc.info["cmdline"] or ()):
+                found.append(proc.environ())
+        except psutil.Error:  # the process ended meanwhile, or is not ours
             continue
     return found
 
