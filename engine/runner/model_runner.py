@@ -233,11 +233,11 @@ class ModelRunner:
         m = self.model
         args = (self.req_to_token_pool.req_to_token, self.kv_pool, m.num_heads, m.num_kv_heads, m.head_dim)
         self.attn_backend = get_backend_class(name)(*args, m.head_dim**-0.5)
-        self.small_decode_backend = None
+        self.triton_decode_backend = None
         """The Triton backend for decode steps of up to `triton_decode_max_bs` requests when the main backend is
         FlashInfer (see decode_backend); None: the main backend runs every step."""
         if name == "flashinfer" and self.config.triton_decode_max_bs > 0:
-            self.small_decode_backend = get_backend_class("triton")(*args, m.head_dim**-0.5)
+            self.triton_decode_backend = get_backend_class("triton")(*args, m.head_dim**-0.5)
         self.graph_runner = None
         # Tensor-parallel ranks capture the same graphs in the same order: the forward's collectives
         # (peer-memory or NCCL all-reduces, the logits' all-gather) are captured with it.
@@ -251,13 +251,14 @@ class ModelRunner:
 
     def decode_backend(self, batch_size: int):
         """The attention backend of a DECODE step of `batch_size` requests: the Triton backend up to
-        `triton_decode_max_bs` requests when the main backend is FlashInfer (Triton's decode kernels wait for
-        their predecessor through PDL like the GEMV kernels of such steps, so no kernel boundary of the step
-        drains the GPU), the main backend otherwise. Decided on the power of two at or above `batch_size`, the
+        `triton_decode_max_bs` requests when the main backend is FlashInfer (Triton's decode kernels read the
+        KV pool faster than FlashInfer's, need no host-side plan per step, and wait for their predecessor
+        through PDL like the GEMV kernels, so no kernel boundary of the step drains the GPU), the main backend
+        otherwise. Decided on the power of two at or above `batch_size`, the
         CUDA graph a step of that size replays, so a step runs the same kernels with graphs on and off."""
         padded = 1 << max(batch_size - 1, 0).bit_length()
-        if self.small_decode_backend is not None and padded <= self.config.triton_decode_max_bs:
-            return self.small_decode_backend
+        if self.triton_decode_backend is not None and padded <= self.config.triton_decode_max_bs:
+            return self.triton_decode_backend
         return self.attn_backend
 
     def backend_for(self, fb) -> object:

@@ -9,8 +9,10 @@ chunk of positions
     [s * C, min((s + 1) * C, seq_len)),    C = round_up(cdiv(seq_len, num_splits), BLOCK_N)
 
 and writes the chunk's normalized partial output and its log-sum-exp (base 2) to float32 scratch
-(mid_o (bs, H, num_splits, D), mid_lse (bs, H, num_splits)); empty chunks write lse = -inf.
-Stage 2, grid (bs, H): merges the splits, out = sum_s 2^(lse_s - lse) * o_s.
+(mid_o (bs, H, num_splits, D), mid_lse (bs, H, num_splits)). Only the first cdiv(seq_len, C) chunks hold
+positions; the programs of the others return at once and write nothing.
+Stage 2, grid (bs, H): merges those non-empty splits, out = sum_s 2^(lse_s - lse) * o_s. A CUDA graph fixes
+num_splits for every context length, so a short context leaves most splits empty: neither stage pays for them.
 
 A batch of 1 on a long context thus runs Hkv * num_splits programs instead of Hkv; `pick_num_kv_splits`
 chooses num_splits so the whole GPU is busy. Logits and softmax statistics are float32; P @ V runs in the
@@ -91,6 +93,8 @@ def _decode_stage1(
     chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
+    if start >= seq_len:
+        return  # an empty chunk: stage 2 reads only the first cdiv(seq_len, chunk) splits
 
     offs_g = tl.arange(0, BLOCK_H)
     heads = kvh * G + offs_g
@@ -123,9 +127,8 @@ def _decode_stage1(
         acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, PRECISION, UPCAST)
         m_i = m_new
 
-    nonempty = l_i > 0
-    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    out = acc / l_i[:, None]  # every chunk here holds >= 1 position: l_i >= 1
+    lse = m_i + tl.log2(l_i)
     tl.store(
         Mid_o + b * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s + offs_d[None, :],
         out,
@@ -146,9 +149,11 @@ def _decode_stage2(
     stride_ml_h,
     stride_ot,
     stride_oh,
+    Seq_lens,
     num_splits,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -156,21 +161,24 @@ def _decode_stage2(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    seq_len = tl.load(Seq_lens + b).to(tl.int32)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N  # as stage 1 (same BLOCK_N)
+    used = tl.cdiv(seq_len, chunk)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
     m = float("-inf")
     l = 0.0
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for s in range(0, num_splits):
+    for s in range(0, used):
         lse_s = tl.load(Mid_lse + b * stride_ml_b + h * stride_ml_h + s)
         o_s = tl.load(Mid_o + b * stride_mo_b + h * stride_mo_h + s * stride_mo_s + offs_d, mask=mask_d, other=0.0)
         m_new = tl.maximum(m, lse_s)
         alpha = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_new))
-        w = tl.where(lse_s == float("-inf"), 0.0, tl.exp2(lse_s - m_new))
+        w = tl.exp2(lse_s - m_new)
         acc = acc * alpha + w * o_s
         l = l * alpha + w
         m = m_new
-    out = acc / tl.where(l > 0, l, 1.0)
+    out = acc / l
     tl.store(O + b * stride_ot + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=mask_d)
 
 
@@ -265,9 +273,11 @@ def decode_attention(
         mid_lse.stride(1),
         out.stride(0),
         out.stride(1),
+        seq_lens,
         num_splits,
         D=head_dim,
         BLOCK_D=block_d,
+        BLOCK_N=block_n,
         num_warps=1,
         **pdl.launch_args(q.device),
     )

@@ -116,7 +116,7 @@ def test_gpu_backends_diverge_only_at_near_ties_in_bf16(bf16_runs):
 
 
 def test_gpu_auto_backend_is_flashinfer_in_bf16():
-    """bf16 on CUDA: FlashInfer, with the Triton backend for decode steps of up to 16 requests."""
+    """bf16 on CUDA: FlashInfer, with the Triton backend for decode steps of up to 256 requests."""
     pytest.importorskip("flashinfer")
     from kernels.attention.triton import TritonAttnBackend
 
@@ -124,10 +124,10 @@ def test_gpu_auto_backend_is_flashinfer_in_bf16():
     try:
         runner = engine.runner
         assert runner.attn_backend_name == "flashinfer" and runner.graph_runner is not None
-        small = runner.small_decode_backend
+        small = runner.triton_decode_backend
         assert isinstance(small, TritonAttnBackend)
-        assert [runner.decode_backend(bs) is small for bs in (1, 9, 16, 17, 64)] == [True] * 3 + [False] * 2
-        assert all((b is small) == (bs <= 16) for bs, b in runner.graph_runner.backends.items())
+        assert [runner.decode_backend(bs) is small for bs in (1, 9, 64, 256, 257)] == [True] * 4 + [False]
+        assert all((b is small) == (bs <= 256) for bs, b in runner.graph_runner.backends.items())
     finally:
         engine.shutdown()
 
@@ -142,7 +142,7 @@ def test_gpu_small_decode_steps_switch_backends_alike_with_graphs_on_and_off():
     for graphs in (True, False):
         engine = make_engine(device="cuda", dtype="bfloat16", triton_decode_max_bs=4, disable_cuda_graph=not graphs)
         try:
-            assert engine.runner.small_decode_backend is not None
+            assert engine.runner.triton_decode_backend is not None
             runs.append([o.token_ids for o in engine.generate(PROMPTS, params)])
         finally:
             engine.shutdown()

@@ -28,6 +28,7 @@ from engine.memory.kv_pool import KVPool  # noqa: E402
 from kernels.attention.base import get_backend_class  # noqa: E402
 from kernels.triton import fix_interpreter_scalar_index  # noqa: E402
 from kernels.triton.decode_attention import (
+    alloc_decode_scratch,
     decode_attention,
     decode_attention_reference,  # noqa: E402
     pick_num_kv_splits,
@@ -119,6 +120,30 @@ def test_decode_half_precision(dtype):
 
 def test_decode_seq_len_one_batch_of_one():
     check_decode([1], 4, 4, 64, torch.float32, num_splits=4)
+
+
+def test_decode_skips_empty_splits_bit_for_bit():
+    """A CUDA graph fixes num_splits for every context length: the chunks a short context leaves empty are
+    neither written by stage 1 nor merged by stage 2, and the output is bit-identical to a launch whose
+    splits cut the context the same way. float32 KV walks 32-position blocks, so with 64 splits the
+    contexts 20, 60 and 120 use 1, 2 and 4 chunks of 32 positions (as they do with 4 splits)."""
+    lens, used = [20, 60, 120], [1, 2, 4]
+    p = Paged(lens, 2, 64, torch.float32)
+    q = p.randn(3, 4, 64, dtype=torch.float32)
+    args = (p.req_to_token, p.rows, p.seq_lens, 64**-0.5)
+    mid_o, mid_lse = alloc_decode_scratch(3, 4, 64, 64, DEVICE)
+    mid_o.fill_(7.0)
+    mid_lse.fill_(7.0)
+    wide = decode_attention(q, p.k_buf, p.v_buf, torch.empty_like(q), *args, 64, mid_o, mid_lse)
+    for row, n in enumerate(used):
+        assert torch.all(mid_lse[row, :, n:] == 7.0) and torch.all(mid_o[row, :, n:] == 7.0)
+        assert torch.all(mid_lse[row, :, :n] != 7.0)
+    for splits in (1, 2, 4):
+        narrow = decode_attention(q, p.k_buf, p.v_buf, torch.empty_like(q), *args, splits)
+        same = [row for row, n in enumerate(used) if n <= splits]  # cut into the same chunks
+        assert torch.equal(wide[same], narrow[same]), splits
+    ref = decode_attention_reference(q, p.k_buf, p.v_buf, *args)
+    torch.testing.assert_close(wide, ref, atol=ATOL[torch.float32], rtol=0)
 
 
 def test_num_kv_splits_heuristic():
