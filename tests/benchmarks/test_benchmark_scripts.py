@@ -31,6 +31,7 @@ def run_script(name, *args):
         "bench_router.py",
         "bench_kv_transfer.py",
         "bench_decode.py",
+        "bench_decode_attention.py",
         "bench_cluster.py",
         "bench_overlap.py",
         "bench_gemv.py",

@@ -1,0 +1,181 @@
+"""Decode attention alone: one call per layer over a paged KV pool, FlashInfer's kernels against ours.
+
+For each (batch size, context) of --shapes, bs requests of `context` KV positions each (Llama-3.1-8B's
+heads by default: 32 query heads, 8 KV heads, head_dim 128, bf16) run one decode-attention call per layer
+of --layers layers, each layer's KV in its own place so that no call finds its KV in L2. Two KV layouts:
+
+  token-major  the engine's KVPool: (slots, layers, 2, Hkv, D), layer l's K and V strided views
+  layer-major  (layers, 2, slots, Hkv, D): each layer's K (and V) one contiguous tensor
+
+and two slot orders (sequential: each request's positions in consecutive slots; shuffled: a random
+permutation, as a pool after much churn). Kernels:
+
+  fa2 tc       FlashInfer's BatchDecodeWithPagedKVCacheWrapper, tensor cores (the prefill kernel)
+  fa2          the same without tensor cores (its CUDA-core decode kernel)
+  fa3          the same with backend="fa3" (Hopper)
+  triton       kernels/triton/decode_attention.py with the engine's split heuristic
+
+Each variant is timed as a CUDA graph of the --layers calls when it can be captured (else eagerly), best of
+5; reported: microseconds per call and the KV bytes over that time as a fraction of the device-to-device
+copy bandwidth (bytes read + written) measured first in this process.
+
+  python benchmarks/bench_decode_attention.py [--shapes 64x1152 32x640 8x1152]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Callable, Dict, List
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def best_seconds_per_call(fn: Callable[[int], object], calls: int) -> float:
+    """Seconds per fn(i), i = 0..calls-1: a CUDA graph of the calls when capture works, else eager; best of 5."""
+    import torch
+
+    def timed(run: Callable[[], object]) -> float:
+        best = float("inf")
+        for _ in range(5):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            torch.cuda.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3 / calls)
+        return best
+
+    def eager() -> None:
+        for i in range(calls):
+            fn(i)
+
+    eager()
+    torch.cuda.synchronize()
+    best = timed(eager)
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            eager()
+        graph.replay()
+        torch.cuda.synchronize()
+        best = min(best, timed(graph.replay))
+    except RuntimeError as e:  # a kernel that cannot be captured keeps its eager time
+        print(f"  (not captured: {str(e)[:80]})")
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=["64x1152", "32x640", "8x1152"], help="BATCHxCONTEXT")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--num-heads", type=int, default=32)
+    p.add_argument("--num-kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/decode-attention_<gpu>.json)")
+    args = p.parse_args()
+
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("bench_decode_attention needs a CUDA device")
+    import flashinfer
+    from bench_decode import copy_bandwidth
+    from bench_offline import hardware, result_path
+
+    from kernels.triton.decode_attention import alloc_decode_scratch, decode_attention, pick_num_kv_splits
+
+    dev = torch.device("cuda")
+    bandwidth = copy_bandwidth(dev)
+    n_layers, hq, hkv, d = args.layers, args.num_heads, args.num_kv_heads, args.head_dim
+    rows: List[Dict] = []
+    for shape in args.shapes:
+        bs, ctx = (int(v) for v in shape.split("x"))
+        slots_total = bs * ctx + 1  # slot 0 unused, as in the engine's pool
+        token_major = torch.randn((slots_total, n_layers, 2, hkv, d), dtype=torch.bfloat16, device=dev)
+        layer_major = torch.randn((n_layers, 2, slots_total, hkv, d), dtype=torch.bfloat16, device=dev)
+        layouts = {
+            "token-major": [(token_major[:, i, 0], token_major[:, i, 1]) for i in range(n_layers)],
+            "layer-major": [(layer_major[i, 0], layer_major[i, 1]) for i in range(n_layers)],
+        }
+        kv_bytes = bs * ctx * hkv * d * 2 * 2  # K and V of one layer
+        q = torch.randn(bs, hq, d, dtype=torch.bfloat16, device=dev)
+        for order in ("sequential", "shuffled"):
+            slots = torch.arange(1, slots_total, device=dev, dtype=torch.int32)
+            if order == "shuffled":
+                slots = slots[torch.randperm(slots.numel(), device=dev)]
+            indptr = torch.arange(bs + 1, dtype=torch.int32) * ctx
+            req_to_token = slots.view(bs, ctx).contiguous()
+            seq_lens = torch.full((bs,), ctx, dtype=torch.int32, device=dev)
+            rows_idx = torch.arange(bs, dtype=torch.int32, device=dev)
+            for layout, bufs in layouts.items():
+                for kernel in ("fa2 tc", "fa2", "fa3", "triton"):
+                    if kernel == "triton":
+                        splits = pick_num_kv_splits(bs, hkv, ctx, dev)
+                        mid_o, mid_lse = alloc_decode_scratch(bs, hq, d, splits, dev)
+                        out = torch.empty_like(q)
+
+                        def fn(i, bufs=bufs, splits=splits, mid_o=mid_o, mid_lse=mid_lse, out=out):
+                            k, v = bufs[i]
+                            return decode_attention(
+                                q, k, v, out, req_to_token, rows_idx, seq_lens, d**-0.5, splits, mid_o, mid_lse
+                            )
+                    else:
+                        workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
+                        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                            workspace, "NHD", use_tensor_cores=kernel != "fa2", backend=kernel.split()[0]
+                        )
+                        wrapper.plan(
+                            indptr,
+                            slots,
+                            torch.ones(bs, dtype=torch.int32),
+                            hq,
+                            hkv,
+                            d,
+                            1,
+                            q_data_type=torch.bfloat16,
+                            kv_data_type=torch.bfloat16,
+                            sm_scale=d**-0.5,
+                        )
+                        caches = [(k.unsqueeze(1), v.unsqueeze(1)) for k, v in bufs]  # page size 1
+
+                        def fn(i, wrapper=wrapper, caches=caches):
+                            return wrapper.run(q, caches[i])
+
+                    sec = best_seconds_per_call(fn, n_layers)
+                    row = dict(bs=bs, ctx=ctx, order=order, layout=layout, kernel=kernel, us=sec * 1e6)
+                    row["of_copy_bw"] = kv_bytes / sec / bandwidth
+                    rows.append(row)
+                    print(f"bs {bs} ctx {ctx} {order} {layout} {kernel}: {row['us']:.1f} us {row['of_copy_bw']:.0%}")
+        del token_major, layer_major, layouts
+        torch.cuda.empty_cache()
+
+    hw = hardware()
+    print(f"\ndecode attention per layer call; {hw.get('gpu')}; copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    kernels = ("fa2 tc", "fa2", "fa3", "triton")
+    print(f"{'bs':>4}{'ctx':>6}{'slots':>12}{'layout':>13}" + "".join(f"{k:>16}" for k in kernels))
+    for i in range(0, len(rows), 4):
+        r = rows[i]
+        cells = "".join(f"{x['us']:>8.1f} us {x['of_copy_bw']:>4.0%}" for x in rows[i : i + 4])
+        print(f"{r['bs']:>4}{r['ctx']:>6}{r['order']:>12}{r['layout']:>13}{cells}")
+    out = result_path(args.out, "decode-attention", hw)
+    with open(out, "w") as f:
+        json.dump(
+            dict(
+                benchmark="bench_decode_attention",
+                args=vars(args),
+                hardware=hw,
+                copy_gb_per_s=bandwidth / 1e9,
+                results=rows,
+            ),
+            f,
+            indent=1,
+        )
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
