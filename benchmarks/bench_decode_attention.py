@@ -15,9 +15,9 @@ permutation, as a pool after much churn). Kernels:
   fa3          the same with backend="fa3" (Hopper)
   triton       kernels/triton/decode_attention.py with the engine's split heuristic
 
-Each variant is timed as a CUDA graph of the --layers calls when it can be captured (else eagerly), best of
-5; reported: microseconds per call and the KV bytes over that time as a fraction of the device-to-device
-copy bandwidth (bytes read + written) measured first in this process.
+Each variant is timed as a CUDA graph of the --layers calls (bench_gemv.time_graph), best of 5. Reported:
+microseconds per call and the KV bytes over that time as a fraction of the device-to-device copy bandwidth
+(bytes read + written) measured first in this process.
 
   python benchmarks/bench_decode_attention.py [--shapes 64x1152 32x640 8x1152]
 """
@@ -28,44 +28,10 @@ import argparse
 import json
 import os
 import sys
-from typing import Callable, Dict, List
+from typing import Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-
-def best_seconds_per_call(fn: Callable[[int], object], calls: int) -> float:
-    """Seconds per fn(i), i = 0..calls-1: a CUDA graph of the calls when capture works, else eager; best of 5."""
-    import torch
-
-    def timed(run: Callable[[], object]) -> float:
-        best = float("inf")
-        for _ in range(5):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            torch.cuda.synchronize()
-            best = min(best, start.elapsed_time(end) / 1e3 / calls)
-        return best
-
-    def eager() -> None:
-        for i in range(calls):
-            fn(i)
-
-    eager()
-    torch.cuda.synchronize()
-    best = timed(eager)
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            eager()
-        graph.replay()
-        torch.cuda.synchronize()
-        best = min(best, timed(graph.replay))
-    except RuntimeError as e:  # a kernel that cannot be captured keeps its eager time
-        print(f"  (not captured: {str(e)[:80]})")
-    return best
 
 
 def main() -> None:
@@ -84,6 +50,7 @@ def main() -> None:
         sys.exit("bench_decode_attention needs a CUDA device")
     import flashinfer
     from bench_decode import copy_bandwidth
+    from bench_gemv import time_graph
     from bench_offline import hardware, result_path
 
     from kernels.triton.decode_attention import alloc_decode_scratch, decode_attention, pick_num_kv_splits
@@ -145,7 +112,7 @@ def main() -> None:
                         def fn(i, wrapper=wrapper, caches=caches):
                             return wrapper.run(q, caches[i])
 
-                    sec = best_seconds_per_call(fn, n_layers)
+                    sec = time_graph(fn, n_layers, repeats=5)
                     row = dict(bs=bs, ctx=ctx, order=order, layout=layout, kernel=kernel, us=sec * 1e6)
                     row["of_copy_bw"] = kv_bytes / sec / bandwidth
                     rows.append(row)
