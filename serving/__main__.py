@@ -21,7 +21,7 @@ from engine.config import EngineConfig
 from serving.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_REQUEST_TIMEOUT_S
 from serving.ratelimit import RateLimits
 from serving.response_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES, LocalResponseStore, StoreLimits
-from serving.server import DEFAULT_GRACE_S
+from serving.server import DEFAULT_GRACE_S, DEFAULT_KEEP_ALIVE_S
 
 _SERVER_FIELDS = {"model"}
 SERVER_DEFAULTS = {
@@ -81,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_GRACE_S,
         help="On SIGTERM / Ctrl-C: stop admitting, let running requests finish this long, then end "
         f"them with an error (default: {DEFAULT_GRACE_S:g}).",
+    )
+    p.add_argument(
+        "--keep-alive-timeout-s",
+        type=int,
+        default=DEFAULT_KEEP_ALIVE_S,
+        help="Close a keep-alive connection after this many idle seconds; keep it above the clients' own "
+        f"idle expiry (httpx, openai: 5 s) so that they close first (default: {DEFAULT_KEEP_ALIVE_S}).",
     )
     p.add_argument(
         "--rate-limit-requests-per-minute",
@@ -191,6 +198,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             port=args.port,
             log_level=args.log_level,
             grace_s=args.graceful_shutdown_timeout_s,
+            keep_alive_s=args.keep_alive_timeout_s,
             on_stopped=engine.shutdown,
         )
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it caught once the drain is over

@@ -9,6 +9,11 @@ Shutdown order (uvicorn calls `shutdown` once its signal handler asked it to exi
   4. uvicorn's own limit (`grace_s` + a margin) only backs this up; `on_stopped` releases the
      backend, and the process exits.
 A second signal exits at once (uvicorn's force exit).
+
+Idle keep-alive connections are closed after `keep_alive_s`, which must outlast the clients' own idle
+expiry (httpx and the openai SDK: 5 s; aiohttp: 15 s): a server that closes first races the client
+reusing that connection, whose next request then fails with a connection reset before reaching the app.
+The default matches Ray Serve's HTTP front end, so the single node and the cluster behave alike.
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ from fastapi import FastAPI
 
 DEFAULT_GRACE_S = 30.0
 """How long running requests may take to finish after SIGTERM."""
+
+DEFAULT_KEEP_ALIVE_S = 90
+"""Seconds an idle keep-alive connection stays open (Ray Serve's default `keep_alive_timeout_s`)."""
 
 _UVICORN_MARGIN_S = 5.0
 """uvicorn's own drain timeout exceeds the grace by this much, so the app ends every request itself."""
@@ -56,9 +64,12 @@ def run(
     port: int,
     log_level: str = "info",
     grace_s: float = DEFAULT_GRACE_S,
+    keep_alive_s: int = DEFAULT_KEEP_ALIVE_S,
     on_stopped: Optional[Callable[[], None]] = None,
 ) -> None:
     """Serve `app` until SIGTERM / SIGINT, drain (see the module docstring), then call `on_stopped`
     (what the app's backend must release). uvicorn then re-raises the signal it caught, so the
     process ends the way the signal asked (exit status -SIGTERM for a parent that waits on it)."""
-    DrainingServer(app, grace_s, on_stopped, host=host, port=port, log_level=log_level).run()
+    DrainingServer(
+        app, grace_s, on_stopped, host=host, port=port, log_level=log_level, timeout_keep_alive=keep_alive_s
+    ).run()

@@ -198,3 +198,27 @@ def test_sigterm_drains_python_m_serving_and_frees_the_port(tmp_path):
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("127.0.0.1", port))
             s.listen()
+
+
+def test_idle_keep_alive_connection_outlives_the_clients_expiry(tmp_path):
+    """httpx and the openai SDK drop a pooled connection after 5 idle seconds. The server keeps it open
+    longer (`--keep-alive-timeout-s`), so a client that reuses one after 6 s is answered on it, instead of
+    racing the server's close (a connection reset before the request reaches the app)."""
+    import http.client
+
+    with python_m_serving("--log-level", "warning", log_path=str(tmp_path / "server.log")) as (_, url):
+        host, port = url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        try:
+            conn.request("GET", "/health")
+            first = conn.getresponse()
+            first.read()
+            sock = conn.sock
+            time.sleep(6)
+            conn.request("GET", "/health")
+            second = conn.getresponse()
+            second.read()
+            assert (first.status, second.status) == (200, 200)
+            assert conn.sock is sock  # the same connection, not a new one
+        finally:
+            conn.close()
