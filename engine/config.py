@@ -106,9 +106,9 @@ class EngineConfig:
             "help": (
                 "With the FlashInfer attention backend (the bf16/fp16 default on CUDA), decode steps of up to this"
                 " many requests (the batch rounded up to a power of two, as its CUDA graph) run the Triton decode"
-                " kernels instead: they read the KV pool faster than FlashInfer's decode at the batch sizes"
-                " measured (1-128), need no host-side plan per step, and take part in the GEMV kernels' PDL"
-                " chain. Prefill, mixed and larger steps stay on FlashInfer. 0: FlashInfer for every step."
+                " kernels instead: they read the KV pool faster than FlashInfer's decode kernel, need no"
+                " host-side plan per step, and take part in the GEMV kernels' PDL chain. Prefill, mixed and"
+                " larger steps stay on FlashInfer. 0: FlashInfer for every step."
             )
         },
     )

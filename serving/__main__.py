@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--keep-alive-timeout-s",
-        type=int,
+        type=_non_negative_int,
         default=DEFAULT_KEEP_ALIVE_S,
         help="Close a keep-alive connection after this many idle seconds; keep it above the clients' own "
         f"idle expiry (httpx, openai: 5 s) so that they close first (default: {DEFAULT_KEEP_ALIVE_S}).",
@@ -153,7 +153,7 @@ def _non_negative_int(value: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value!r}") from None
     if number < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0 (0: store disabled), got {value}")
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
     return number
 
 

@@ -254,8 +254,8 @@ class ModelRunner:
         `triton_decode_max_bs` requests when the main backend is FlashInfer (Triton's decode kernels read the
         KV pool faster than FlashInfer's, need no host-side plan per step, and wait for their predecessor
         through PDL like the GEMV kernels, so no kernel boundary of the step drains the GPU), the main backend
-        otherwise. Decided on the power of two at or above `batch_size`, the
-        CUDA graph a step of that size replays, so a step runs the same kernels with graphs on and off."""
+        otherwise. Decided on the power of two at or above `batch_size`, the CUDA graph a step of that size
+        replays, so a step runs the same kernels with graphs on and off."""
         padded = 1 << max(batch_size - 1, 0).bit_length()
         if self.triton_decode_backend is not None and padded <= self.config.triton_decode_max_bs:
             return self.triton_decode_backend
