@@ -33,6 +33,8 @@ from typing import Dict, List
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+KERNELS = ("fa2 tc", "fa2", "fa3", "triton")
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -79,7 +81,7 @@ def main() -> None:
             seq_lens = torch.full((bs,), ctx, dtype=torch.int32, device=dev)
             rows_idx = torch.arange(bs, dtype=torch.int32, device=dev)
             for layout, bufs in layouts.items():
-                for kernel in ("fa2 tc", "fa2", "fa3", "triton"):
+                for kernel in KERNELS:
                     if kernel == "triton":
                         splits = pick_num_kv_splits(bs, hkv, ctx, dev)
                         mid_o, mid_lse = alloc_decode_scratch(bs, hq, d, splits, dev)
@@ -122,11 +124,10 @@ def main() -> None:
 
     hw = hardware()
     print(f"\ndecode attention per layer call; {hw.get('gpu')}; copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    kernels = ("fa2 tc", "fa2", "fa3", "triton")
-    print(f"{'bs':>4}{'ctx':>6}{'slots':>12}{'layout':>13}" + "".join(f"{k:>16}" for k in kernels))
-    for i in range(0, len(rows), 4):
+    print(f"{'bs':>4}{'ctx':>6}{'slots':>12}{'layout':>13}" + "".join(f"{k:>16}" for k in KERNELS))
+    for i in range(0, len(rows), len(KERNELS)):  # one line per (shape, slots, layout): its kernels in order
         r = rows[i]
-        cells = "".join(f"{x['us']:>8.1f} us {x['of_copy_bw']:>4.0%}" for x in rows[i : i + 4])
+        cells = "".join(f"{x['us']:>8.1f} us {x['of_copy_bw']:>4.0%}" for x in rows[i : i + len(KERNELS)])
         print(f"{r['bs']:>4}{r['ctx']:>6}{r['order']:>12}{r['layout']:>13}{cells}")
     out = result_path(args.out, "decode-attention", hw)
     with open(out, "w") as f:

@@ -44,6 +44,13 @@ def mma(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, input_precision=PRECISION)
 
 
+@triton.jit
+def _chunk_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    """C, the positions per split of a context of seq_len: cdiv(seq_len, num_splits) rounded up to BLOCK_N.
+    Both stages derive the splits from it, so they agree on which splits hold positions."""
+    return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+
+
 def dot_flags(dtype: torch.dtype, device: torch.device) -> dict:
     """The PRECISION / UPCAST constexprs of `mma` for inputs of `dtype` on `device`."""
     upcast = dtype == torch.bfloat16 and device.type != "cuda"
@@ -90,7 +97,7 @@ def _decode_stage1(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     seq_len = tl.load(Seq_lens + b).to(tl.int32)
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    chunk = _chunk_len(seq_len, num_splits, BLOCK_N)
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
     if start >= seq_len:
@@ -162,8 +169,7 @@ def _decode_stage2(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     seq_len = tl.load(Seq_lens + b).to(tl.int32)
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N  # as stage 1 (same BLOCK_N)
-    used = tl.cdiv(seq_len, chunk)
+    used = tl.cdiv(seq_len, _chunk_len(seq_len, num_splits, BLOCK_N))  # stage 1's non-empty splits
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
     m = float("-inf")

@@ -124,10 +124,10 @@ def test_gpu_auto_backend_is_flashinfer_in_bf16():
     try:
         runner = engine.runner
         assert runner.attn_backend_name == "flashinfer" and runner.graph_runner is not None
-        small = runner.triton_decode_backend
-        assert isinstance(small, TritonAttnBackend)
-        assert [runner.decode_backend(bs) is small for bs in (1, 9, 64, 256, 257)] == [True] * 4 + [False]
-        assert all((b is small) == (bs <= 256) for bs, b in runner.graph_runner.backends.items())
+        triton = runner.triton_decode_backend
+        assert isinstance(triton, TritonAttnBackend)
+        assert [runner.decode_backend(bs) is triton for bs in (1, 9, 64, 256, 257)] == [True] * 4 + [False]
+        assert all((b is triton) == (bs <= 256) for bs, b in runner.graph_runner.backends.items())
     finally:
         engine.shutdown()
 
