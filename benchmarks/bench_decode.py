@@ -41,6 +41,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_offline import result_path  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+
+ENGINE_DEFAULTS = EngineConfig()
+"""The engine's option defaults: a flag left unset measures the engine as users run it."""
 
 
 def copy_bandwidth(device, nbytes: int = 4 << 30, iters: int = 20) -> float:
@@ -307,13 +311,17 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--disable-gemv", action="store_true", help="EngineConfig.disable_gemv: cuBLAS for every matmul")
     p.add_argument(
-        "--gemv-max-rows", type=int, default=16, help="EngineConfig.gemv_max_rows: 1 = GEMV kernel for batch 1 only"
+        "--gemv-max-rows",
+        type=int,
+        default=ENGINE_DEFAULTS.gemv_max_rows,
+        help="EngineConfig.gemv_max_rows (default: the engine's): 1 = GEMV kernel for batch 1 only",
     )
     p.add_argument(
         "--triton-decode-max-bs",
         type=int,
-        default=16,
-        help="EngineConfig.triton_decode_max_bs: with FlashInfer, Triton decode attention up to this batch (0: never)",
+        default=ENGINE_DEFAULTS.triton_decode_max_bs,
+        help="EngineConfig.triton_decode_max_bs (default: the engine's): with FlashInfer, Triton decode attention "
+        "up to this batch (0: never)",
     )
     p.add_argument(
         "--disable-pdl", action="store_true", help="EngineConfig.disable_pdl: no programmatic dependent launch"
