@@ -32,6 +32,7 @@ def run_script(name, *args):
         "bench_kv_transfer.py",
         "bench_decode.py",
         "bench_decode_attention.py",
+        "bench_mixed_step.py",
         "bench_cluster.py",
         "bench_overlap.py",
         "bench_gemv.py",
@@ -276,3 +277,37 @@ def test_bench_gemv_shapes_are_one_ranks_share():
         "down": (4096, 7168),
         "lm_head": (64128, 4096),
     }
+
+
+def test_bench_mixed_step_batches_are_the_schedulers_mixed_steps(tmp_path):
+    """A mixed step puts its decode tokens first and cuts prompt tokens into prompts of --prompt-len, and
+    its decode rows give the tokens the decode step alone gives (what it times is a real mixed step)."""
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from bench_mixed_step import MixedStepBench
+
+    from engine.forward_batch import ForwardMode
+
+    config = dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+    )
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    bench = MixedStepBench(str(tmp_path), 3, context_len=16, max_prefill=40, prompt_len=32, dtype="float32")
+    mixed, decode = bench.batch(3, 40), bench.batch(3, 0)
+    assert mixed.forward_mode is ForwardMode.EXTEND and decode.forward_mode is ForwardMode.DECODE
+    assert mixed.extend_seq_lens_cpu == [1, 1, 1, 32, 8]
+    assert mixed.extend_prefix_lens_cpu == [16, 16, 16, 0, 0]
+    with torch.inference_mode():
+        alone = bench.launch(decode).tolist()
+        together = bench.launch(mixed).tolist()
+    assert len(together) == 5 and together[:3] == alone

@@ -1,0 +1,216 @@
+"""Time of one prefill or mixed step of a ModelRunner, on the device and on the host, beside the decode step.
+
+A server's steps are of three kinds: decode steps (every running request decodes one token; CUDA graphs),
+prefill steps (prompt tokens only) and mixed steps (prompt tokens plus one decode token of each running
+request, `enable_mixed_chunk`). Prefill and mixed steps run eagerly: the host launches every kernel of
+every layer. This script measures, for each combination of --decodes D (requests with --context-len
+cached tokens, one token each) and --prefill P (prompt tokens, cut into prompts of --prompt-len with no
+cached prefix), one step of the engine's own code:
+
+  gpu_ms    CUDA events around --steps back-to-back steps: the device time when the host keeps ahead;
+            when the host is slower, the device waits and this is the host's time instead
+  host_ms   the host's time to enqueue one step after the device is idle (attention plan, forward and
+            logits launched, no wait): when host_ms >= the device time, the step is bound by the host
+  wall_ms   the step as the scheduler runs it: ForwardBatch from host lists, the step, tokens on the host
+
+P = 0 rows are the decode step the engine runs (a CUDA graph up to its largest captured batch): the
+baseline each mixed row adds its prompt tokens to. Weights are dummy (random, real shapes) from a
+config.json (--config); KV is random.
+
+  python benchmarks/bench_mixed_step.py --decodes 0 64 256 --prefill 0 64 256 512 1024 2048 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Dict, List
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_offline import hardware, result_path  # noqa: E402
+
+
+class MixedStepBench:
+    """A ModelRunner with `max_decodes` requests of `context_len` cached tokens (random KV) and room for
+    `max_prefill` prompt tokens in prompts of `prompt_len`."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        max_decodes: int,
+        context_len: int,
+        max_prefill: int,
+        prompt_len: int,
+        dtype: str = "bfloat16",
+    ):
+        import torch
+
+        from engine.config import EngineConfig
+        from engine.models.source import resolve_model
+        from engine.runner.model_runner import ModelRunner
+
+        self.context_len, self.prompt_len = context_len, prompt_len
+        prompts = -(-max_prefill // prompt_len)
+        config = EngineConfig(
+            model=model_dir,
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            dtype=dtype,
+            max_running_requests=max(1, max_decodes + prompts),
+            max_total_tokens=max_decodes * (context_len + 1) + prompts * prompt_len + 64,
+            context_length=max(context_len + 64, prompt_len, 2048),
+        )
+        self.runner = runner = ModelRunner(config, resolve_model(model_dir))
+        self.decoding = [self._request(context_len + 1) for _ in range(max_decodes)]
+        self.prompts = [self._request(prompt_len) for _ in range(prompts)]
+        gen = torch.Generator(device=runner.device).manual_seed(0)
+        for buf in runner.kv_pool.k_buffers + runner.kv_pool.v_buffers:
+            buf.normal_(0.0, 1.0, generator=gen)
+
+    def _request(self, tokens: int):
+        """(req_to_token row, its slots) of a request owning `tokens` KV slots (page size 1: page ids are slots)."""
+        row = self.runner.req_to_token_pool.alloc()
+        slots = self.runner.allocator.alloc_pages(tokens)
+        self.runner.req_to_token_pool.write(row, 0, slots)
+        return row, slots
+
+    def batch(self, decodes: int, prefill: int):
+        """The ForwardBatch of one step: `decodes` decode tokens first (as the scheduler orders a mixed
+        batch), then `prefill` prompt tokens; DECODE mode when there are no prompt tokens."""
+        import torch
+
+        from engine.forward_batch import ForwardBatch, ForwardMode
+
+        ctx, vocab = self.context_len, self.runner.vocab_size
+        ids, pos, rows, seq, pre, locs = [], [], [], [], [], []
+        for i, (row, slots) in enumerate(self.decoding[:decodes]):
+            ids.append((1000 + i) % vocab)
+            pos.append(ctx)
+            rows.append(row)
+            seq.append(ctx + 1)
+            pre.append(ctx)
+            locs.append(slots[ctx : ctx + 1])
+        left = prefill
+        for row, slots in self.prompts:
+            if left <= 0:
+                break
+            n = min(self.prompt_len, left)
+            ids += [(2000 + 7 * k) % vocab for k in range(n)]
+            pos += list(range(n))
+            rows.append(row)
+            seq.append(n)
+            pre.append(0)
+            locs.append(slots[:n])
+            left -= n
+        mode = ForwardMode.EXTEND if prefill else ForwardMode.DECODE
+        fb = ForwardBatch.build(mode, ids, pos, torch.cat(locs), rows, seq, pre, self.runner.device)
+        fb.attn_backend = self.runner.backend_for(fb)
+        return fb
+
+    def launch(self, fb):
+        """Queue one step of `fb` as ModelRunner._launch runs it (graph replay or eager forward; logits of
+        each request's last token; greedy); returns the device tokens without waiting."""
+        runner = self.runner
+        if runner.graph_runner is not None and runner.graph_runner.can_run(fb):
+            return runner.graph_runner.replay(fb).argmax(dim=-1)
+        fb.attn_backend.init_forward_metadata(fb)
+        hidden = runner.model(fb)
+        return runner.model.compute_logits(hidden[fb.last_token_rows]).argmax(dim=-1)
+
+    def measure(self, decodes: int, prefill: int, steps: int) -> Dict:
+        import torch
+
+        device = self.runner.device
+        fb = self.batch(decodes, prefill)
+        for _ in range(5):
+            self.launch(fb)
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            self.launch(fb)
+        end.record()
+        torch.cuda.synchronize(device)
+        gpu_ms = start.elapsed_time(end) / steps
+        host, wall = [], []
+        for _ in range(steps):
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            self.launch(fb)
+            host.append((time.perf_counter() - t0) * 1e3)
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            self.launch(self.batch(decodes, prefill)).cpu()
+            wall.append((time.perf_counter() - t0) * 1e3)
+        graph = self.runner.graph_runner is not None and self.runner.graph_runner.can_run(fb)
+        return dict(
+            decodes=decodes,
+            prefill=prefill,
+            tokens=decodes + prefill,
+            cuda_graph=graph,
+            gpu_ms=gpu_ms,
+            host_ms=statistics.median(host),
+            wall_ms=statistics.median(wall),
+            host_bound=statistics.median(host) >= 0.9 * gpu_ms,
+        )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--config", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "llama-3.1-8b.json")
+    )
+    p.add_argument("--decodes", type=int, nargs="+", default=[0, 64, 256])
+    p.add_argument("--prefill", type=int, nargs="+", default=[0, 64, 128, 256, 512, 1024, 2048, 4096, 8192])
+    p.add_argument("--context-len", type=int, default=1152, help="cached tokens of each decoding request")
+    p.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens are cut into prompts this long")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/mixed-step_<model>_<gpu>.json)")
+    args = p.parse_args()
+
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("bench_mixed_step needs a CUDA device")
+    folder = tempfile.mkdtemp(prefix="bench-mixed-")
+    shutil.copy(args.config, os.path.join(folder, "config.json"))
+    bench = MixedStepBench(folder, max(args.decodes), args.context_len, max(args.prefill), args.prompt_len)
+    rows: List[Dict] = []
+    with torch.inference_mode():
+        for d in args.decodes:
+            for n in args.prefill:
+                if d or n:
+                    rows.append(bench.measure(d, n, args.steps))
+                    print({k: round(v, 3) if isinstance(v, float) else v for k, v in rows[-1].items()}, flush=True)
+    hw = hardware()
+    model = os.path.splitext(os.path.basename(args.config))[0]
+    print(f"\nprefill and mixed steps, {model} dummy bf16, decode context {args.context_len}; {hw.get('gpu')}")
+    print(f"{'decodes':>8} {'prefill':>8} {'graph':>6} {'gpu ms':>9} {'host ms':>9} {'wall ms':>9}  bound")
+    for r in rows:
+        print(
+            f"{r['decodes']:>8} {r['prefill']:>8} {'yes' if r['cuda_graph'] else 'no':>6} {r['gpu_ms']:>9.2f} "
+            f"{r['host_ms']:>9.2f} {r['wall_ms']:>9.2f}  {'host' if r['host_bound'] else 'device'}"
+        )
+    path = result_path(args.out, f"mixed-step_{model}", hw)
+    record = dict(
+        benchmark="mixed_step",
+        hardware=hw,
+        model=model,
+        settings=dict(context_len=args.context_len, prompt_len=args.prompt_len, steps=args.steps),
+        rows=rows,
+    )
+    with open(path, "w") as f:
+        json.dump(record, f, indent=2)
+    print(f"wrote {path}")
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
