@@ -13,6 +13,7 @@ cached prefix), one step of the engine's own code:
             logits launched, no wait): when host_ms >= the device time, the step is bound by the host
   wall_ms   the step as the scheduler runs it: ForwardBatch from host lists, the step, tokens on the host
 
+--piecewise-cuda-graph measures the same steps with `enable_piecewise_cuda_graph` (steps of up to 512 tokens).
 P = 0 rows are the decode step the engine runs (a CUDA graph up to its largest captured batch): the
 baseline each mixed row adds its prompt tokens to. Weights are dummy (random, real shapes) from a
 config.json (--config); KV is random.
@@ -49,6 +50,7 @@ class MixedStepBench:
         max_prefill: int,
         prompt_len: int,
         dtype: str = "bfloat16",
+        piecewise: bool = False,
     ):
         import torch
 
@@ -66,6 +68,7 @@ class MixedStepBench:
             max_running_requests=max(1, max_decodes + prompts),
             max_total_tokens=max_decodes * (context_len + 1) + prompts * prompt_len + 64,
             context_length=max(context_len + 64, prompt_len, 2048),
+            enable_piecewise_cuda_graph=piecewise,
         )
         self.runner = runner = ModelRunner(config, resolve_model(model_dir))
         self.decoding = [self._request(context_len + 1) for _ in range(max_decodes)]
@@ -115,13 +118,15 @@ class MixedStepBench:
         return fb
 
     def launch(self, fb):
-        """Queue one step of `fb` as ModelRunner._launch runs it (graph replay or eager forward; logits of
-        each request's last token; greedy); returns the device tokens without waiting."""
+        """Queue one step of `fb` as ModelRunner._launch runs it (decode graph replay, piecewise graphs or an
+        eager forward; logits of each request's last token; greedy); returns the device tokens without
+        waiting."""
         runner = self.runner
         if runner.graph_runner is not None and runner.graph_runner.can_run(fb):
             return runner.graph_runner.replay(fb).argmax(dim=-1)
         fb.attn_backend.init_forward_metadata(fb)
-        hidden = runner.model(fb)
+        pieces = runner.piecewise_runner
+        hidden = pieces.forward(fb) if pieces is not None and pieces.can_run(fb) else runner.model(fb)
         return runner.model.compute_logits(hidden[fb.last_token_rows]).argmax(dim=-1)
 
     def measure(self, decodes: int, prefill: int, steps: int) -> Dict:
@@ -149,12 +154,14 @@ class MixedStepBench:
             t0 = time.perf_counter()
             self.launch(self.batch(decodes, prefill)).cpu()
             wall.append((time.perf_counter() - t0) * 1e3)
-        graph = self.runner.graph_runner is not None and self.runner.graph_runner.can_run(fb)
+        runner = self.runner
+        graph = runner.graph_runner is not None and runner.graph_runner.can_run(fb)
+        piecewise = not graph and runner.piecewise_runner is not None and runner.piecewise_runner.can_run(fb)
         return dict(
             decodes=decodes,
             prefill=prefill,
             tokens=decodes + prefill,
-            cuda_graph=graph,
+            cuda_graph="decode" if graph else "piecewise" if piecewise else None,
             gpu_ms=gpu_ms,
             host_ms=statistics.median(host),
             wall_ms=statistics.median(wall),
@@ -172,6 +179,12 @@ def main() -> None:
     p.add_argument("--context-len", type=int, default=1152, help="cached tokens of each decoding request")
     p.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens are cut into prompts this long")
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument(
+        "--piecewise-cuda-graph",
+        action="store_true",
+        help="EngineConfig.enable_piecewise_cuda_graph: prefill and mixed steps of up to 512 tokens replay "
+        "piecewise CUDA graphs",
+    )
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/mixed-step_<model>_<gpu>.json)")
     args = p.parse_args()
 
@@ -181,7 +194,14 @@ def main() -> None:
         sys.exit("bench_mixed_step needs a CUDA device")
     folder = tempfile.mkdtemp(prefix="bench-mixed-")
     shutil.copy(args.config, os.path.join(folder, "config.json"))
-    bench = MixedStepBench(folder, max(args.decodes), args.context_len, max(args.prefill), args.prompt_len)
+    bench = MixedStepBench(
+        folder,
+        max(args.decodes),
+        args.context_len,
+        max(args.prefill),
+        args.prompt_len,
+        piecewise=args.piecewise_cuda_graph,
+    )
     rows: List[Dict] = []
     with torch.inference_mode():
         for d in args.decodes:
@@ -192,18 +212,24 @@ def main() -> None:
     hw = hardware()
     model = os.path.splitext(os.path.basename(args.config))[0]
     print(f"\nprefill and mixed steps, {model} dummy bf16, decode context {args.context_len}; {hw.get('gpu')}")
-    print(f"{'decodes':>8} {'prefill':>8} {'graph':>6} {'gpu ms':>9} {'host ms':>9} {'wall ms':>9}  bound")
+    print(f"{'decodes':>8} {'prefill':>8} {'graph':>9} {'gpu ms':>9} {'host ms':>9} {'wall ms':>9}  bound")
     for r in rows:
         print(
-            f"{r['decodes']:>8} {r['prefill']:>8} {'yes' if r['cuda_graph'] else 'no':>6} {r['gpu_ms']:>9.2f} "
+            f"{r['decodes']:>8} {r['prefill']:>8} {r['cuda_graph'] or 'no':>9} {r['gpu_ms']:>9.2f} "
             f"{r['host_ms']:>9.2f} {r['wall_ms']:>9.2f}  {'host' if r['host_bound'] else 'device'}"
         )
-    path = result_path(args.out, f"mixed-step_{model}", hw)
+    suffix = "_piecewise" if args.piecewise_cuda_graph else ""
+    path = result_path(args.out, f"mixed-step_{model}{suffix}", hw)
     record = dict(
         benchmark="mixed_step",
         hardware=hw,
         model=model,
-        settings=dict(context_len=args.context_len, prompt_len=args.prompt_len, steps=args.steps),
+        settings=dict(
+            context_len=args.context_len,
+            prompt_len=args.prompt_len,
+            steps=args.steps,
+            piecewise_cuda_graph=args.piecewise_cuda_graph,
+        ),
         rows=rows,
     )
     with open(path, "w") as f:

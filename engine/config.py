@@ -136,6 +136,19 @@ class EngineConfig:
             )
         },
     )
+    enable_piecewise_cuda_graph: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "Prefill and mixed steps of up to piecewise_cuda_graph_max_tokens tokens replay each layer's "
+                "work outside attention from CUDA graphs, one set per token bucket, and run attention eagerly "
+                "between them (CUDA, tensor_parallel_size 1)."
+            )
+        },
+    )
+    piecewise_cuda_graph_max_tokens: int = field(
+        default=512, metadata={"help": "Largest prefill or mixed step (tokens) that piecewise CUDA graphs run."}
+    )
     tokenizer: Optional[str] = field(
         default=None,
         metadata={
@@ -227,6 +240,14 @@ class EngineConfig:
         check(0 <= self.gemv_max_rows <= 16, f"gemv_max_rows must be in [0, 16], got {self.gemv_max_rows}")
         check(self.triton_decode_max_bs >= 0, f"triton_decode_max_bs must be >= 0, got {self.triton_decode_max_bs}")
         check(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        check(
+            self.piecewise_cuda_graph_max_tokens >= 8,
+            f"piecewise_cuda_graph_max_tokens must be >= 8, got {self.piecewise_cuda_graph_max_tokens}",
+        )
+        check(
+            not (self.enable_piecewise_cuda_graph and self.tensor_parallel_size > 1),
+            "enable_piecewise_cuda_graph needs tensor_parallel_size 1",
+        )
         check(
             self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,
             f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}",

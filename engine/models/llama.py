@@ -112,8 +112,11 @@ class LlamaAttention(nn.Module):
             return TensorSlice(0, h.q_start * d, h.q_end * d)
         return TensorSlice(0, h.kv_start * d, h.kv_end * d)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """x (T, hidden); cos/sin (T, 1, head_dim) -> (T, hidden)."""
+    def project_qkv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (T, hidden); cos/sin (T, 1, head_dim) -> q (T, H, D), k and v (T, Hkv, D): projected, q/k
+        normed (Qwen3) and rotated; what the attention backend takes."""
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(T, self.num_heads, self.head_dim)
@@ -122,8 +125,13 @@ class LlamaAttention(nn.Module):
         if self.has_qk_norm:
             q, k = self.q_norm.normalize(q), self.k_norm.normalize(k)
         q, k = RotaryEmbedding.apply_qk(q, k, cos, sin)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """x (T, hidden); cos/sin (T, 1, head_dim) -> (T, hidden)."""
+        q, k, v = self.project_qkv(x, cos, sin)
         out = batch.attn_backend.forward(q, k, v, self.layer_id, batch)
-        return self.o_proj(out.reshape(T, self.q_size))
+        return self.o_proj(out.reshape(x.shape[0], self.q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -179,6 +187,22 @@ class LlamaDecoderLayer(nn.Module):
         """x, residual (T, hidden) -> (mlp output, residual); the layer's output is their sum."""
         x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, cos, sin, batch)
+        return self.after_attention(x, residual)
+
+    # The same layer in two parts around its attention call, for runners that run the parts apart
+    # (engine/runner/piecewise_graph.py): before_attention, the backend's forward, o_proj, after_attention
+    # compute what forward computes.
+    def before_attention(
+        self, x: torch.Tensor, residual: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x, residual (T, hidden; residual None in the first layer) -> q, k, v (project_qkv) and the
+        residual stream after this layer's input norm."""
+        x, residual = self.input_layernorm(x, residual)
+        q, k, v = self.self_attn.project_qkv(x, cos, sin)
+        return q, k, v, residual
+
+    def after_attention(self, x: torch.Tensor, residual: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """x: the attention block's output after o_proj (T, hidden) -> (mlp output, residual)."""
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 

@@ -8,7 +8,8 @@ Memory layout decided here: KV pool capacity (from `max_total_tokens`, or from t
 device memory left after the weights, an activation estimate and the share that
 `mem_fraction_static` keeps free), the ReqToTokenPool rows and the page allocator.
 On CUDA, DECODE batches replay captured CUDA graphs (engine/runner/cuda_graph.py)
-unless `disable_cuda_graph`, with or without tensor parallelism.
+unless `disable_cuda_graph`, with or without tensor parallelism; with `enable_piecewise_cuda_graph`,
+prefill and mixed steps replay each layer's work outside attention (engine/runner/piecewise_graph.py).
 
 Tensor parallelism (`tensor_parallel_size` N > 1, engine.parallel): the engine core's runner is rank 0. It
 starts ranks 1..N-1 (engine/runner/follower.py: a ModelRunner each, built with their TPGroup) and, before
@@ -249,6 +250,20 @@ class ModelRunner:
                 self.model, self.decode_backend, self.req_to_token_pool, max_bs, self.device
             )
 
+        self.piecewise_runner = None
+        """Runs prefill and mixed steps of up to piecewise_cuda_graph_max_tokens tokens (piecewise_graph.py)."""
+        if (
+            self.device.type == "cuda"
+            and self.config.enable_piecewise_cuda_graph
+            and not self.config.disable_cuda_graph
+            and self.tp is None
+        ):
+            from engine.runner.piecewise_graph import PiecewiseGraphRunner  # noqa: PLC0415
+
+            self.piecewise_runner = PiecewiseGraphRunner(
+                self.model, self.config.piecewise_cuda_graph_max_tokens, self.device
+            )
+
     def decode_backend(self, batch_size: int):
         """The attention backend of a DECODE step of `batch_size` requests: the Triton backend up to
         `triton_decode_max_bs` requests when the main backend is FlashInfer (Triton's decode kernels read the
@@ -297,7 +312,10 @@ class ModelRunner:
             if self.tp is not None:
                 self._send_step(fb, rows, len(reqs))
             fb.attn_backend.init_forward_metadata(fb)
-            hidden = self.model(fb)
+            if self.piecewise_runner is not None and self.piecewise_runner.can_run(fb):
+                hidden = self.piecewise_runner.forward(fb)  # valid until the next step's: used below, in order
+            else:
+                hidden = self.model(fb)
             prompt_logprobs = self._prompt_logprobs(batch, hidden, rows) if rows else {}
             if not reqs:
                 return LaunchedBatch.empty(self.device, prompt_logprobs)

@@ -344,15 +344,31 @@ def test_gpu_core_process_gives_the_thread_core_outputs(dtype):
     assert runs[0] == runs[1]
 
 
-def test_gpu_mixed_steps_do_not_change_float32_outputs(default_engine):
+@pytest.mark.parametrize("piecewise", [False, True], ids=["eager", "piecewise-graphs"])
+def test_gpu_mixed_steps_do_not_change_float32_outputs(default_engine, piecewise):
     """float32, Triton: prompts arriving while others decode (the decode rows then run through the extend
-    kernels of a mixed step) give the CPU float32 engine's tokens."""
+    kernels of a mixed step) give the CPU float32 engine's tokens, also when those steps replay piecewise
+    CUDA graphs (every prefill and mixed step here is small enough to)."""
     from test_mixed_chunk import GREEDY, _staggered
 
     want = {p: o.token_ids for p, o in zip(PROMPTS, default_engine.generate(PROMPTS, GREEDY))}
-    engine = make_engine(device="cuda", dtype="float32", attention_backend="triton", enable_mixed_chunk=True)
+    engine = make_engine(
+        device="cuda",
+        dtype="float32",
+        attention_backend="triton",
+        enable_mixed_chunk=True,
+        enable_piecewise_cuda_graph=piecewise,
+    )
     try:
+        pieces = engine.runner.piecewise_runner
+        assert (pieces is not None) == piecewise
+        used = []
+        if pieces is not None:
+            forward = pieces.forward
+            pieces.forward = lambda fb: used.append(fb.num_tokens) or forward(fb)
+            assert len(pieces.graphs) == len(pieces.buckets) * pieces.num_pieces
         got, mixed = _staggered(engine, every=3)
     finally:
         engine.shutdown()
     assert mixed > 0 and got == want
+    assert bool(used) == piecewise

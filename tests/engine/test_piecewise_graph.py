@@ -1,0 +1,145 @@
+"""PiecewiseGraphRunner's plumbing on CPU (pieces run eagerly through its static buffers): a prefill or mixed
+step through the pieces gives the model's own forward, with and without padding to a token bucket, and
+writes the same K/V. The captured graphs themselves run on CUDA only (tests/engine/test_gpu_engine.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.models.source import resolve_model
+from engine.runner.model_runner import ModelRunner
+from engine.runner.piecewise_graph import PiecewiseGraphRunner, token_buckets
+
+TINY = dict(
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+)
+CONTEXT = 20  # cached tokens of each decoding request
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def runner(request, tmp_path_factory):
+    """A float32 CPU ModelRunner of a tiny dummy model (Qwen3: q/k norms) whose KV pool is random."""
+    folder = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    config = TINY
+    if request.param == "qwen3":
+        config = dict(TINY, model_type="qwen3", architectures=["Qwen3ForCausalLM"])
+    (folder / "config.json").write_text(json.dumps(config))
+    cfg = EngineConfig(
+        model=str(folder),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="float32",
+        device="cpu",
+        max_running_requests=16,
+        max_total_tokens=4096,
+    )
+    torch.manual_seed(0)
+    r = ModelRunner(cfg, resolve_model(str(folder)))
+    gen = torch.Generator().manual_seed(0)
+    for buf in r.kv_pool.k_buffers + r.kv_pool.v_buffers:
+        buf.normal_(0.0, 1.0, generator=gen)
+    return r
+
+
+def _batch(runner, decodes: int, prompt_lens):
+    """An EXTEND batch: `decodes` requests with CONTEXT cached tokens decoding one token each, then one new
+    prompt per entry of `prompt_lens` (no cached prefix). Fresh rows and slots each call."""
+    ids, pos, rows, seq, pre, locs = [], [], [], [], [], []
+    for i in range(decodes):
+        row = runner.req_to_token_pool.alloc()
+        slots = runner.allocator.alloc_pages(CONTEXT + 1)
+        runner.req_to_token_pool.write(row, 0, slots)
+        ids.append(7 + i)
+        pos.append(CONTEXT)
+        rows.append(row)
+        seq.append(CONTEXT + 1)
+        pre.append(CONTEXT)
+        locs.append(slots[CONTEXT:])
+    for j, n in enumerate(prompt_lens):
+        row = runner.req_to_token_pool.alloc()
+        slots = runner.allocator.alloc_pages(n)
+        runner.req_to_token_pool.write(row, 0, slots)
+        ids += [(11 * j + 3 * k) % 300 for k in range(n)]
+        pos += list(range(n))
+        rows.append(row)
+        seq.append(n)
+        pre.append(0)
+        locs.append(slots)
+    fb = ForwardBatch.build(ForwardMode.EXTEND, ids, pos, torch.cat(locs), rows, seq, pre, runner.device)
+    fb.attn_backend = runner.backend_for(fb)
+    return fb
+
+
+def _kv(pool):
+    """(K, V) buffers of every layer of the tiny model."""
+    return [pool.get_kv_buffer(layer) for layer in range(TINY["num_hidden_layers"])]
+
+
+def test_token_buckets():
+    assert token_buckets(512) == [8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512]
+    assert token_buckets(1) == [8] and token_buckets(100)[-2:] == [96, 100]
+    sizes = token_buckets(2048)
+    assert all(b - a <= max(8, a // 4) for a, b in zip(sizes, sizes[1:]) if a >= 64)
+
+
+@pytest.mark.parametrize(
+    "decodes, prompt_lens",
+    [(0, [8]), (0, [5]), (3, [17]), (4, [30, 9]), (2, [])],
+    ids=["one-bucket", "padded", "mixed-padded", "two-prompts", "decodes-only"],
+)
+def test_pieces_give_the_forward_and_its_kv(runner, decodes, prompt_lens):
+    """The same step through the model's forward and through the pieces (padded to a bucket unless the step
+    fills one): equal hidden states, and equal K/V written at the step's slots in every layer."""
+    pieces = PiecewiseGraphRunner(runner.model, 64, runner.device, capture=False)
+    fb = _batch(runner, decodes, prompt_lens)
+    pool = runner.kv_pool
+    with torch.inference_mode():
+        fb.attn_backend.init_forward_metadata(fb)
+        want = runner.model(fb).clone()
+        kv_want = [(k[fb.out_cache_loc].clone(), v[fb.out_cache_loc].clone()) for k, v in _kv(pool)]
+        for k, v in _kv(pool):  # the pieces must write these again
+            k[fb.out_cache_loc] = 0
+            v[fb.out_cache_loc] = 0
+        fb.attn_backend.init_forward_metadata(fb)
+        got = pieces.forward(fb)
+    assert pieces.can_run(fb)
+    kv_got = [(k[fb.out_cache_loc], v[fb.out_cache_loc]) for k, v in _kv(pool)]
+    if pieces.padded_size(fb.num_tokens) == fb.num_tokens:  # the very same matmuls: the very same bits
+        assert torch.equal(got, want)
+        assert all(torch.equal(a, b) for got_kv, want_kv in zip(kv_got, kv_want) for a, b in zip(got_kv, want_kv))
+    else:  # padded rows change the matmuls' row count, which may round differently
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(kv_got, kv_want, rtol=1e-5, atol=1e-5)
+
+
+def test_steps_beyond_the_largest_bucket_and_decode_steps_are_not_taken(runner):
+    pieces = PiecewiseGraphRunner(runner.model, 16, runner.device, capture=False)
+    assert pieces.max_tokens == 16
+    assert not pieces.can_run(_batch(runner, 0, [17]))
+    assert pieces.can_run(_batch(runner, 0, [16]))
+    decode = _batch(runner, 2, [])
+    decode.forward_mode = ForwardMode.DECODE
+    assert not pieces.can_run(decode)
+
+
+def test_tensor_parallel_and_its_option_are_refused():
+    from engine.errors import InvalidConfigError
+
+    with pytest.raises(InvalidConfigError, match="tensor_parallel_size 1"):
+        EngineConfig(enable_piecewise_cuda_graph=True, tensor_parallel_size=2)
+    with pytest.raises(InvalidConfigError, match="piecewise_cuda_graph_max_tokens"):
+        EngineConfig(piecewise_cuda_graph_max_tokens=4)
