@@ -15,6 +15,31 @@ PROMPTS = [
 ]
 
 
+TINY_LLAMA = dict(
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+)
+"""config.json of a tiny Llama for dummy weights (load_format="dummy", skip_tokenizer_init=True)."""
+
+
+def write_tiny_config(folder, **overrides) -> str:
+    """Write TINY_LLAMA (with `overrides`) as `folder`/config.json; returns the folder as a string."""
+    import json
+    import os
+
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(dict(TINY_LLAMA, **overrides), f)
+    return str(folder)
+
+
 def make_engine(**kwargs):
     from engine import Engine
 

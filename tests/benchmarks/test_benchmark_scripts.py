@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from engine_harness import assert_no_leak
+from engine_harness import assert_no_leak, write_tiny_config
 from serving_harness import MODEL, serve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -289,20 +289,8 @@ def test_bench_mixed_step_batches_are_the_schedulers_mixed_steps(tmp_path):
 
     from engine.forward_batch import ForwardMode
 
-    config = dict(
-        architectures=["LlamaForCausalLM"],
-        model_type="llama",
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-5,
-    )
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    bench = MixedStepBench(str(tmp_path), 3, context_len=16, max_prefill=40, prompt_len=32, dtype="float32")
+    model = write_tiny_config(tmp_path)
+    bench = MixedStepBench(model, 3, context_len=16, max_prefill=40, prompt_len=32, dtype="float32")
     mixed, decode = bench.batch(3, 40), bench.batch(3, 0)
     assert mixed.forward_mode is ForwardMode.EXTEND and decode.forward_mode is ForwardMode.DECODE
     assert mixed.extend_seq_lens_cpu == [1, 1, 1, 32, 8]

@@ -4,8 +4,6 @@ writes the same K/V. The captured graphs themselves run on CUDA only (tests/engi
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -14,19 +12,8 @@ from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.models.source import resolve_model
 from engine.runner.model_runner import ModelRunner
 from engine.runner.piecewise_graph import PiecewiseGraphRunner, token_buckets
+from engine_harness import TINY_LLAMA, write_tiny_config
 
-TINY = dict(
-    architectures=["LlamaForCausalLM"],
-    model_type="llama",
-    vocab_size=300,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=4096,
-    rms_norm_eps=1e-5,
-)
 CONTEXT = 20  # cached tokens of each decoding request
 
 
@@ -34,12 +21,10 @@ CONTEXT = 20  # cached tokens of each decoding request
 def runner(request, tmp_path_factory):
     """A float32 CPU ModelRunner of a tiny dummy model (Qwen3: q/k norms) whose KV pool is random."""
     folder = tmp_path_factory.mktemp(f"tiny-{request.param}")
-    config = TINY
-    if request.param == "qwen3":
-        config = dict(TINY, model_type="qwen3", architectures=["Qwen3ForCausalLM"])
-    (folder / "config.json").write_text(json.dumps(config))
+    qwen3 = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"]) if request.param == "qwen3" else {}
+    model = write_tiny_config(folder, **qwen3)
     cfg = EngineConfig(
-        model=str(folder),
+        model=model,
         load_format="dummy",
         skip_tokenizer_init=True,
         dtype="float32",
@@ -48,7 +33,7 @@ def runner(request, tmp_path_factory):
         max_total_tokens=4096,
     )
     torch.manual_seed(0)
-    r = ModelRunner(cfg, resolve_model(str(folder)))
+    r = ModelRunner(cfg, resolve_model(model))
     gen = torch.Generator().manual_seed(0)
     for buf in r.kv_pool.k_buffers + r.kv_pool.v_buffers:
         buf.normal_(0.0, 1.0, generator=gen)
@@ -86,7 +71,7 @@ def _batch(runner, decodes: int, prompt_lens):
 
 def _kv(pool):
     """(K, V) buffers of every layer of the tiny model."""
-    return [pool.get_kv_buffer(layer) for layer in range(TINY["num_hidden_layers"])]
+    return [pool.get_kv_buffer(layer) for layer in range(TINY_LLAMA["num_hidden_layers"])]
 
 
 def test_token_buckets():
