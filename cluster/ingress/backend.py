@@ -2,7 +2,8 @@
 
     HTTP ─▶ serving.build_app routes (validate, chat template, tokenize ONCE)
          ─▶ ClusterBackend.generate_stream(input_ids, params, rid)
-              1. Router.route(input_ids, rid) ─▶ RoutingDecision (one small RPC)
+              1. Router.route_many([(input_ids, rid), ...]) ─▶ RoutingDecision: one small RPC for the
+                 prompts this replica has waiting (RouteBatcher: at most one routing call in flight)
               2. Worker.submit(input_ids, params, rid, ...), pinned to decision.worker_id (session_id +
                  PinnedRequestRouter); the outputs arrive on this replica's one stream from that worker
                  (WorkerStream: Worker.outputs, one Ray message per engine step for all of this
@@ -42,7 +43,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Dict, List, Opti
 from ray.exceptions import ActorUnavailableError
 
 from cluster.ingress.latency import IngressLatency, RequestClock
-from cluster.router.policies import NoWorkersError
+from cluster.ingress.route_batcher import RouteBatcher
+from cluster.router.policies import NoWorkersError, RouteRequest
 from cluster.rpc import STREAM_OPTIONS, awaited, detached, is_dead, unwrap
 from cluster.workers.base import WorkerItem, WrongReplicaError
 from cluster.router.policies import PoolFullError
@@ -229,6 +231,8 @@ class ClusterBackend(ServingBackend):
         """The last ClusterStats fetched (for the per-worker metrics collector)."""
         self._rids: set = set()
         """Ids of this replica's requests between their arrival here and their end."""
+        self.route_batcher = RouteBatcher(lambda requests: self.router.route_many.remote(requests))
+        """This replica's routing calls (unified mode; disaggregated mode routes pairs one by one)."""
         self.pool_capacity: Optional[int] = None
         """Requests the (decode or unified) pool admits, from the router's last decision; None: unknown."""
 
@@ -393,8 +397,9 @@ class ClusterBackend(ServingBackend):
         return cause
 
     def _route(self, ids: List[int], rid: str, refused: Tuple[str, ...]) -> Any:
-        """The routing call: a RoutingDecision, not one of `refused` (they answered queue_full)."""
-        return self.router.route.remote(ids, rid, exclude=refused)
+        """The routing call: a RoutingDecision, not one of `refused` (they answered queue_full); batched with
+        this replica's other prompts waiting for one (route_batcher.py)."""
+        return self.route_batcher.route(RouteRequest(ids, rid, refused))
 
     def _streaming_worker(self, placement: Any) -> str:
         """The worker whose stream carries the attempt's outputs; records the pool's capacity."""

@@ -27,6 +27,7 @@ from cluster.router.policies import (
     NoWorkersError,
     PoolFullError,  # noqa: F401
     PoolRouter,
+    RouteRequest,
     RoutingDecision,
     RoutingPolicy,  # noqa: F401
     available_policies,

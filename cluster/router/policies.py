@@ -22,7 +22,7 @@ import random
 from abc import ABC, abstractmethod
 from array import array
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Collection, Dict, List, Optional, Sequence, Type
+from typing import Callable, ClassVar, Collection, Dict, List, Optional, Sequence, Tuple, Type
 
 from cluster.router.state import ClusterState, RouterConfig, WorkerId
 
@@ -46,6 +46,17 @@ class RoutingDecision:
     choice was full (or excluded) and the least loaded worker with room took the request."""
     pool_capacity: Optional[int] = None
     """Requests the pool's workers admit together (ClusterState.capacity); None: unbounded or unknown."""
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """One prompt to place (RouterDeployment.route_many takes a list of them)."""
+
+    input_ids: List[int]
+    rid: Optional[str] = None
+    """The request's id (the router remembers where it went); None: not remembered."""
+    exclude: Tuple[str, ...] = ()
+    """Workers that refused this request already (queue full): not chosen again."""
 
 
 class RoutingPolicy(ABC):

@@ -35,7 +35,7 @@ from pydantic import BaseModel, Field, InstanceOf, computed_field
 from ray.exceptions import ActorDiedError
 
 from cluster import membership
-from cluster.router.policies import NoWorkersError, PoolRouter, RoutingDecision
+from cluster.router.policies import NoWorkersError, PoolFullError, PoolRouter, RouteRequest, RoutingDecision
 from cluster.latency import IngressTotals, RequestTiming, percentiles
 from cluster.router.state import RouterConfig, WorkerState
 from cluster.scaling.loop import PoolScaler
@@ -183,6 +183,18 @@ class RouterDeployment:
         if rid is not None:
             self._remember(rid, decision.worker_id)
         return decision
+
+    async def route_many(self, requests: List[RouteRequest], pool: str = "unified") -> List[Any]:
+        """`route` for each request, in order: its RoutingDecision, or the NoWorkersError / PoolFullError
+        that `route` would raise for it. One call for the prompts an ingress replica has waiting
+        (cluster/ingress/route_batcher.py): a call through Serve costs far more than a decision."""
+        out: List[Any] = []
+        for r in requests:
+            try:
+                out.append(await self.route(r.input_ids, r.rid, pool, r.exclude))
+            except (NoWorkersError, PoolFullError) as exc:
+                out.append(exc)
+        return out
 
     async def route_pair(
         self, input_ids: List[int], rid: Optional[str] = None, exclude_decode: Sequence[str] = ()

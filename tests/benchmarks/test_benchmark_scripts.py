@@ -33,6 +33,7 @@ def run_script(name, *args):
         "bench_decode.py",
         "bench_decode_attention.py",
         "bench_mixed_step.py",
+        "bench_route_calls.py",
         "bench_cluster.py",
         "bench_overlap.py",
         "bench_gemv.py",

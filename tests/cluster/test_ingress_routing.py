@@ -31,7 +31,7 @@ class Method:
 
     def remote(self, *args, **kwargs):
         self.calls.append((args, kwargs))
-        return self.answer() if callable(self.answer) else _value(self.answer)
+        return self.answer(*args, **kwargs) if callable(self.answer) else _value(self.answer)
 
 
 async def _value(value):
@@ -39,8 +39,20 @@ async def _value(value):
 
 
 class Router:
+    """Router.route_many answers each prompt with `route_answer()`, or the routing error it raises."""
+
     def __init__(self, route_answer):
-        self.route, self.finish = Method(route_answer), Method()
+        self.route_many, self.finish = Method(lambda requests: _each(route_answer, requests)), Method()
+
+
+async def _each(route_answer, requests):
+    out = []
+    for _ in requests:
+        try:
+            out.append(await route_answer())
+        except NoWorkersError as exc:
+            out.append(exc)
+    return out
 
 
 @pytest.fixture(scope="module")
