@@ -1,5 +1,5 @@
-"""Routing calls under a burst: one Serve call per prompt (Router.route) against the ingress's RouteBatcher
-(Router.route_many), against a running cluster.
+"""Routing calls under a burst: one Serve call per prompt (Router.route) against the ingress's batched calls
+(CallBatcher, Router.route_many), against a running cluster.
 
 A burst of N prompts (--prompt-len random token ids each) asks the router for a worker at once, the way N
 requests reaching one ingress replica together do; each prompt's latency is from its call to its decision.
@@ -30,11 +30,11 @@ from bench_offline import result_path  # noqa: E402
 async def measure(args) -> List[Dict]:
     from ray import serve
 
-    from cluster.ingress.route_batcher import RouteBatcher
+    from cluster.ingress.call_batcher import CallBatcher
     from cluster.router.policies import RouteRequest
 
     router = serve.get_deployment_handle("Router", app_name=args.app_name)
-    batcher = RouteBatcher(lambda requests: router.route_many.remote(requests))
+    batcher = CallBatcher("routing", lambda requests: router.route_many.remote(requests))
     rng = random.Random(args.seed)
     latencies: Dict[tuple, List[float]] = {}
     for _ in range(args.rounds):
@@ -44,7 +44,7 @@ async def measure(args) -> List[Dict]:
 
                 async def one(ids):
                     start = time.perf_counter()
-                    call = router.route.remote(ids) if mode == "single" else batcher.route(RouteRequest(ids))
+                    call = router.route.remote(ids) if mode == "single" else batcher.submit(RouteRequest(ids))
                     decision = await call
                     return (time.perf_counter() - start) * 1e3, decision
 

@@ -3,13 +3,14 @@
     HTTP ─▶ serving.build_app routes (validate, chat template, tokenize ONCE)
          ─▶ ClusterBackend.generate_stream(input_ids, params, rid)
               1. Router.route_many([(input_ids, rid), ...]) ─▶ RoutingDecision: one small RPC for the
-                 prompts this replica has waiting (RouteBatcher: at most one routing call in flight)
+                 prompts this replica has waiting (CallBatcher: at most one routing call in flight)
               2. Worker.submit(input_ids, params, rid, ...), pinned to decision.worker_id (session_id +
                  PinnedRequestRouter); the outputs arrive on this replica's one stream from that worker
                  (WorkerStream: Worker.outputs, one Ray message per engine step for all of this
                  replica's requests there), are routed to the request's queue by rid, and detokenized
                  here, stop strings included (engine/text.py)
-              3. Router.finish(worker_id) when the request ends, fails or is cancelled
+              3. Router.finish_many([(worker_id, ...), ...]) when the request ends, fails or is cancelled
+                 (batched like the routing calls)
     GET /router/stats ─▶ Router.stats() (+ this replica's route-RPC latency)
     GET /metrics      ─▶ serving metrics of this replica + per-worker gauges labelled by replica
 
@@ -43,8 +44,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Dict, List, Opti
 from ray.exceptions import ActorUnavailableError
 
 from cluster.ingress.latency import IngressLatency, RequestClock
-from cluster.ingress.route_batcher import RouteBatcher
-from cluster.router.policies import NoWorkersError, RouteRequest
+from cluster.ingress.call_batcher import CallBatcher
+from cluster.router.policies import Finished, NoWorkersError, RouteRequest
 from cluster.rpc import STREAM_OPTIONS, awaited, detached, is_dead, unwrap
 from cluster.workers.base import WorkerItem, WrongReplicaError
 from cluster.router.policies import PoolFullError
@@ -231,8 +232,10 @@ class ClusterBackend(ServingBackend):
         """The last ClusterStats fetched (for the per-worker metrics collector)."""
         self._rids: set = set()
         """Ids of this replica's requests between their arrival here and their end."""
-        self.route_batcher = RouteBatcher(lambda requests: self.router.route_many.remote(requests))
-        """This replica's routing calls (unified mode; disaggregated mode routes pairs one by one)."""
+        self.route_calls = CallBatcher("routing", lambda requests: self.router.route_many.remote(requests))
+        """This replica's routing calls, batched (unified mode; disaggregated mode routes pairs one by one)."""
+        self.finish_calls = CallBatcher("finish", lambda finished: self.router.finish_many.remote(finished))
+        """This replica's Router.finish calls, batched."""
         self.pool_capacity: Optional[int] = None
         """Requests the (decode or unified) pool admits, from the router's last decision; None: unknown."""
 
@@ -398,8 +401,8 @@ class ClusterBackend(ServingBackend):
 
     def _route(self, ids: List[int], rid: str, refused: Tuple[str, ...]) -> Any:
         """The routing call: a RoutingDecision, not one of `refused` (they answered queue_full); batched with
-        this replica's other prompts waiting for one (route_batcher.py)."""
-        return self.route_batcher.route(RouteRequest(ids, rid, refused))
+        this replica's other prompts waiting for one (call_batcher.py)."""
+        return self.route_calls.submit(RouteRequest(ids, rid, refused))
 
     def _streaming_worker(self, placement: Any) -> str:
         """The worker whose stream carries the attempt's outputs; records the pool's capacity."""
@@ -498,8 +501,9 @@ class ClusterBackend(ServingBackend):
     def _abort_on(self, worker_id: str, engine_rid: str) -> None:
         self._send(lambda: self.workers.options(session_id=worker_id).abort.remote(engine_rid, worker_id))
 
-    def _finish(self, worker_id: str, timing: Any = None) -> None:
-        self._send(lambda: self.router.finish.remote(worker_id, timing=timing))
+    def _finish(self, worker_id: str, timing: Any = None, pool: str = "unified") -> None:
+        """Router.finish, batched with this replica's other finishes (nobody waits for it)."""
+        self.finish_calls.submit_nowait(Finished(worker_id, pool, timing))
 
     def _send(self, make_call: Callable[[], Any]) -> None:
         """Make a call and let it run without awaiting its answer (referenced until it completes), outside

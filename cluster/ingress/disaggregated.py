@@ -98,7 +98,7 @@ class DisaggregatedBackend(ClusterBackend):
     def _release(self, placement: Any, clock: RequestClock) -> None:
         timing = clock.timing()  # TTFT concerns the prefill pool, ITL the decode pool: both get both
         for worker_id, pool in ((placement.prefill.worker_id, "prefill"), (placement.decode.worker_id, "decode")):
-            self._send(lambda: self.router.finish.remote(worker_id, pool=pool, timing=timing))
+            self._finish(worker_id, timing, pool)
 
     def _end_attempt(self, placement: Any, clock: RequestClock, progress: RequestProgress, started: Any) -> None:
         self._release(placement, clock)

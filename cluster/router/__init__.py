@@ -24,6 +24,7 @@ thread-safe: the router deployment's event loop owns all of it.
 """
 
 from cluster.router.policies import (
+    Finished,
     NoWorkersError,
     PoolFullError,  # noqa: F401
     PoolRouter,

@@ -22,7 +22,7 @@ import random
 from abc import ABC, abstractmethod
 from array import array
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Collection, Dict, List, Optional, Sequence, Tuple, Type
+from typing import Any, Callable, ClassVar, Collection, Dict, List, Optional, Sequence, Tuple, Type
 
 from cluster.router.state import ClusterState, RouterConfig, WorkerId
 
@@ -57,6 +57,16 @@ class RouteRequest:
     """The request's id (the router remembers where it went); None: not remembered."""
     exclude: Tuple[str, ...] = ()
     """Workers that refused this request already (queue full): not chosen again."""
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A request that left a worker (RouterDeployment.finish_many takes a list of them)."""
+
+    worker_id: WorkerId
+    pool: str = "unified"
+    timing: Optional[Any] = None
+    """The ingress's cluster.latency.RequestTiming of the request (None: not measured)."""
 
 
 class RoutingPolicy(ABC):

@@ -35,7 +35,7 @@ from pydantic import BaseModel, Field, InstanceOf, computed_field
 from ray.exceptions import ActorDiedError
 
 from cluster import membership
-from cluster.router.policies import NoWorkersError, PoolFullError, PoolRouter, RouteRequest, RoutingDecision
+from cluster.router.policies import Finished, NoWorkersError, PoolFullError, PoolRouter, RouteRequest, RoutingDecision
 from cluster.latency import IngressTotals, RequestTiming, percentiles
 from cluster.router.state import RouterConfig, WorkerState
 from cluster.scaling.loop import PoolScaler
@@ -187,7 +187,7 @@ class RouterDeployment:
     async def route_many(self, requests: List[RouteRequest], pool: str = "unified") -> List[Any]:
         """`route` for each request, in order: its RoutingDecision, or the NoWorkersError / PoolFullError
         that `route` would raise for it. One call for the prompts an ingress replica has waiting
-        (cluster/ingress/route_batcher.py): a call through Serve costs far more than a decision."""
+        (cluster/ingress/call_batcher.py): a call through Serve costs far more than a decision."""
         out: List[Any] = []
         for r in requests:
             try:
@@ -233,6 +233,12 @@ class RouterDeployment:
             self._ingress.observe(timing)
         if self.scaler is not None:
             self.scaler.observe(pool, timing)
+
+    def finish_many(self, finished: List[Finished]) -> List[None]:
+        """`finish` for each, in order (one call for the finishes an ingress replica has waiting)."""
+        for f in finished:
+            self.finish(f.worker_id, f.pool, f.timing)
+        return [None] * len(finished)
 
     # --- stored Responses API responses (cluster/ingress/response_store.py) ----------------------------
 

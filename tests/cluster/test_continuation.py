@@ -109,7 +109,7 @@ class _Router:
         self.decodes, self.dead = list(decodes), set()
         self.routed, self.finished = [], []
         self.route_pair = _Method(self._route_pair)
-        self.finish = _Method(self._finish)
+        self.finish_many = _Method(self._finish_many)
         self.report_dead = _Method(self._report_dead)
 
     async def _route_pair(self, ids, rid, exclude_decode=()):
@@ -119,8 +119,9 @@ class _Router:
             raise NoWorkersError("the decode pool is empty")
         return PairDecision(RoutingDecision("P", 0, "test"), RoutingDecision(live[0], 0, "test"))
 
-    async def _finish(self, worker_id, pool="unified", timing=None):
-        self.finished.append((worker_id, pool))
+    async def _finish_many(self, items):
+        self.finished += [(item.worker_id, item.pool) for item in items]
+        return [None] * len(items)
 
     async def _report_dead(self, worker_id, pool):
         self.dead.add(worker_id)

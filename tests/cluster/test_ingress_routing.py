@@ -39,10 +39,17 @@ async def _value(value):
 
 
 class Router:
-    """Router.route_many answers each prompt with `route_answer()`, or the routing error it raises."""
+    """Router.route_many answers each prompt with `route_answer()`, or the routing error it raises;
+    finish_many records the workers it is told of in `finished`."""
 
     def __init__(self, route_answer):
-        self.route_many, self.finish = Method(lambda requests: _each(route_answer, requests)), Method()
+        self.finished = []
+        self.route_many = Method(lambda requests: _each(route_answer, requests))
+        self.finish_many = Method(self._finish_many)
+
+    async def _finish_many(self, items):
+        self.finished += [item.worker_id for item in items]
+        return [None] * len(items)
 
 
 async def _each(route_answer, requests):
@@ -87,7 +94,7 @@ async def _finished_after(router, decided) -> list:
     decided.set()
     for _ in range(10):
         await asyncio.sleep(0)
-    return [args for args, _ in router.finish.calls]
+    return list(router.finished)
 
 
 def test_decision_that_arrives_after_a_disconnect_is_finished(tokenizer):
@@ -99,9 +106,9 @@ def test_decision_that_arrives_after_a_disconnect_is_finished(tokenizer):
         task.cancel()  # the client left while the router was deciding
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert router.finish.calls == []
+        assert router.finished == []
         # ... and the router decided anyway: it counts r1 in flight on w1 until told
-        assert await _finished_after(router, decided) == [("w1",)]
+        assert await _finished_after(router, decided) == ["w1"]
 
     asyncio.run(run())
 
@@ -113,7 +120,7 @@ def test_routing_timeout_finishes_the_late_decision(monkeypatch, tokenizer):
         router, decided = _slow_router("w2")
         with pytest.raises(asyncio.TimeoutError):
             await _drain(_backend(router, tokenizer).generate_stream([1], SamplingParams(), "r2"))
-        assert await _finished_after(router, decided) == [("w2",)]
+        assert await _finished_after(router, decided) == ["w2"]
 
     asyncio.run(run())
 
@@ -129,6 +136,6 @@ def test_no_workers_is_a_503_and_finishes_nothing(tokenizer):
         assert err.value.status == 503 and err.value.code == "no_workers"
         assert err.value.headers == {"Retry-After": "1"}
         await asyncio.sleep(0)
-        assert router.finish.calls == []
+        assert router.finished == []
 
     asyncio.run(run())

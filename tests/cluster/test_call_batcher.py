@@ -1,12 +1,13 @@
-"""RouteBatcher: at most one routing call in flight per ingress replica; the prompts that arrive meanwhile go
-together in the next call, and each caller gets its own prompt's answer (a decision, or its routing error),
-whoever else shares the call. The router's side (Router.route_many) runs in tests/cluster/test_cluster.py."""
+"""CallBatcher: at most one call of a kind in flight per ingress replica; the items that arrive meanwhile go
+together in the next call, and each caller gets its own item's answer (a routing decision, or its routing
+error), whoever else shares the call. The router's side (Router.route_many, finish_many) runs in
+tests/cluster/test_cluster.py."""
 
 import asyncio
 
 import pytest
 
-from cluster.ingress.route_batcher import RouteBatcher
+from cluster.ingress.call_batcher import CallBatcher
 from cluster.router.policies import PoolFullError, RouteRequest
 
 
@@ -36,10 +37,10 @@ def test_a_burst_goes_in_two_calls_and_each_caller_gets_its_own_answer():
     async def run():
         router = FakeRouter(full={"r3"})
         router.release = asyncio.Event()
-        batcher = RouteBatcher(router.route_many)
-        first = batcher.route(_request(0))
+        batcher = CallBatcher("routing", router.route_many)
+        first = batcher.submit(_request(0))
         await asyncio.sleep(0)  # the first call is in flight ...
-        rest = [batcher.route(_request(i)) for i in range(1, 6)]  # ... when a burst arrives
+        rest = [batcher.submit(_request(i)) for i in range(1, 6)]  # ... when a burst arrives
         for _ in range(2):
             router.release.set()
             await asyncio.sleep(0.01)
@@ -48,7 +49,7 @@ def test_a_burst_goes_in_two_calls_and_each_caller_gets_its_own_answer():
         assert [await f for f in rest if f is not rest[2]] == ["w1", "w2", "w4", "w5"]
         with pytest.raises(PoolFullError):
             await rest[2]
-        assert (batcher.calls, batcher.routed) == (2, 6)
+        assert (batcher.calls, batcher.items) == (2, 6)
 
     asyncio.run(run())
 
@@ -56,9 +57,9 @@ def test_a_burst_goes_in_two_calls_and_each_caller_gets_its_own_answer():
 def test_a_lone_prompt_is_sent_at_once():
     async def run():
         router = FakeRouter()
-        batcher = RouteBatcher(router.route_many)
-        assert await batcher.route(_request(7)) == "w7"
-        assert await batcher.route(_request(8)) == "w8"
+        batcher = CallBatcher("routing", router.route_many)
+        assert await batcher.submit(_request(7)) == "w7"
+        assert await batcher.submit(_request(8)) == "w8"
         assert router.batches == [["r7"], ["r8"]]
 
     asyncio.run(run())
@@ -68,10 +69,10 @@ def test_a_failed_call_fails_its_prompts_only():
     async def run():
         router = FakeRouter(fail_calls={1})
         router.release = asyncio.Event()
-        batcher = RouteBatcher(router.route_many)
-        first = batcher.route(_request(0))
+        batcher = CallBatcher("routing", router.route_many)
+        first = batcher.submit(_request(0))
         await asyncio.sleep(0)
-        second = batcher.route(_request(1))
+        second = batcher.submit(_request(1))
         for _ in range(2):
             router.release.set()
             await asyncio.sleep(0.01)
@@ -86,8 +87,8 @@ def test_batches_are_capped():
     async def run():
         router = FakeRouter()
         router.release = asyncio.Event()
-        batcher = RouteBatcher(router.route_many, max_batch=2)
-        futures = [batcher.route(_request(i)) for i in range(5)]
+        batcher = CallBatcher("routing", router.route_many, max_batch=2)
+        futures = [batcher.submit(_request(i)) for i in range(5)]
         for _ in range(3):
             router.release.set()
             await asyncio.sleep(0.01)
@@ -101,14 +102,42 @@ def test_stopping_cancels_the_waiting_prompts():
     async def run():
         router = FakeRouter()
         router.release = asyncio.Event()
-        batcher = RouteBatcher(router.route_many)
-        futures = [batcher.route(_request(i)) for i in range(3)]
+        batcher = CallBatcher("routing", router.route_many)
+        futures = [batcher.submit(_request(i)) for i in range(3)]
         await asyncio.sleep(0)
         batcher._task.cancel()  # the replica's loop is shutting down
         await asyncio.sleep(0)
         assert all(f.cancelled() for f in futures)
         assert batcher._task is None
         router.release.set()
-        assert await batcher.route(_request(9)) == "w9"  # a later prompt starts a call of its own
+        assert await batcher.submit(_request(9)) == "w9"  # a later prompt starts a call of its own
 
     asyncio.run(run())
+
+
+def test_calls_nobody_awaits_go_in_batches_and_their_failures_are_logged(caplog):
+    async def run():
+        sent = []
+        gate = asyncio.Event()
+
+        async def finish_many(items):
+            sent.append(list(items))
+            await gate.wait()
+            gate.clear()
+            if len(sent) == 2:
+                raise ConnectionError("router unreachable")
+            return [None] * len(items)
+
+        batcher = CallBatcher("finish", finish_many)
+        batcher.submit_nowait("a")
+        await asyncio.sleep(0)
+        for item in "bcd":
+            batcher.submit_nowait(item)
+        for _ in range(2):
+            gate.set()
+            await asyncio.sleep(0.01)
+        assert sent == [["a"], ["b", "c", "d"]] and batcher._task is None
+
+    with caplog.at_level("WARNING", logger="cluster.ingress.call_batcher"):
+        asyncio.run(run())
+    assert sum("router unreachable" in r.getMessage() for r in caplog.records) == 3
