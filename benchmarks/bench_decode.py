@@ -193,8 +193,7 @@ class DecodeBench:
             if runner.graph_runner is not None and runner.graph_runner.can_run(fb):
                 logits = runner.graph_runner.replay(fb)
             else:
-                fb.attn_backend.init_forward_metadata(fb)
-                logits = runner.model.compute_logits(runner.model(fb))
+                logits = runner.model.compute_logits(runner.forward_hidden(fb))
             return logits.argmax(dim=-1)
 
         with torch.inference_mode():

@@ -124,10 +124,7 @@ class MixedStepBench:
         runner = self.runner
         if runner.graph_runner is not None and runner.graph_runner.can_run(fb):
             return runner.graph_runner.replay(fb).argmax(dim=-1)
-        fb.attn_backend.init_forward_metadata(fb)
-        pieces = runner.piecewise_runner
-        hidden = pieces.forward(fb) if pieces is not None and pieces.can_run(fb) else runner.model(fb)
-        return runner.model.compute_logits(hidden[fb.last_token_rows]).argmax(dim=-1)
+        return runner.model.compute_logits(runner.forward_hidden(fb)[fb.last_token_rows]).argmax(dim=-1)
 
     def measure(self, decodes: int, prefill: int, steps: int) -> Dict:
         import torch

@@ -298,6 +298,16 @@ class ModelRunner:
         with self.tp.guard():
             return self._launch(batch, steps)
 
+    def forward_hidden(self, fb) -> torch.Tensor:
+        """Final-normed hidden states (T, hidden) of a ForwardBatch run without a decode graph (its
+        attn_backend set): the attention plan, then the piecewise CUDA graphs when they take the step,
+        else the model's forward. A piecewise result is a static buffer, valid until the next step's
+        forward: whatever reads it must be queued before that."""
+        fb.attn_backend.init_forward_metadata(fb)
+        if self.piecewise_runner is not None and self.piecewise_runner.can_run(fb):
+            return self.piecewise_runner.forward(fb)
+        return self.model(fb)
+
     def _launch(self, batch, steps: Optional[List[int]]) -> LaunchedBatch:
         fb = batch.forward_batch
         fb.attn_backend = self.backend_for(fb)
@@ -311,11 +321,7 @@ class ModelRunner:
             rows = self._prompt_logprob_rows(batch) if fb.forward_mode is ForwardMode.EXTEND else []
             if self.tp is not None:
                 self._send_step(fb, rows, len(reqs))
-            fb.attn_backend.init_forward_metadata(fb)
-            if self.piecewise_runner is not None and self.piecewise_runner.can_run(fb):
-                hidden = self.piecewise_runner.forward(fb)  # valid until the next step's: used below, in order
-            else:
-                hidden = self.model(fb)
+            hidden = self.forward_hidden(fb)
             prompt_logprobs = self._prompt_logprobs(batch, hidden, rows) if rows else {}
             if not reqs:
                 return LaunchedBatch.empty(self.device, prompt_logprobs)
