@@ -28,6 +28,7 @@ Weights are dummy (random, real shapes) from a config.json (--config); KV is ran
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -35,7 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Dict, List
+from typing import Callable, Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -47,22 +48,30 @@ ENGINE_DEFAULTS = EngineConfig()
 """The engine's option defaults: a flag left unset measures the engine as users run it."""
 
 
+def device_time_ms(fn: Callable[[], object], iters: int, warmup: int, device) -> float:
+    """Device time of one `fn()` in ms: `warmup` calls, then CUDA events around `iters` back-to-back calls
+    (when the host enqueues slower than the device runs, this is the host's time)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / iters
+
+
 def copy_bandwidth(device, nbytes: int = 4 << 30, iters: int = 20) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
     import torch
 
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
     dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize(device)
-    seconds = start.elapsed_time(end) / 1e3 / iters
+    seconds = device_time_ms(functools.partial(dst.copy_, src), iters, 3, device) / 1e3
     del src, dst
     torch.cuda.empty_cache()
     return 2 * nbytes / seconds
@@ -197,16 +206,7 @@ class DecodeBench:
             return logits.argmax(dim=-1)
 
         with torch.inference_mode():
-            for _ in range(3):
-                once()
-            torch.cuda.synchronize(self.device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(steps):
-                once()
-            end.record()
-            torch.cuda.synchronize(self.device)
-        return start.elapsed_time(end) / steps
+            return device_time_ms(once, steps, 3, self.device)
 
 
 def engine_tpot(model_dir: str, args, options: Dict) -> Dict:

@@ -35,6 +35,7 @@ from typing import Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_decode import device_time_ms  # noqa: E402
 from bench_offline import hardware, result_path  # noqa: E402
 
 
@@ -131,16 +132,7 @@ class MixedStepBench:
 
         device = self.runner.device
         fb = self.batch(decodes, prefill)
-        for _ in range(5):
-            self.launch(fb)
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            self.launch(fb)
-        end.record()
-        torch.cuda.synchronize(device)
-        gpu_ms = start.elapsed_time(end) / steps
+        gpu_ms = device_time_ms(lambda: self.launch(fb), steps, 5, device)
         host, wall = [], []
         for _ in range(steps):
             torch.cuda.synchronize(device)
