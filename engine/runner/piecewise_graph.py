@@ -15,12 +15,13 @@ captures, for every token bucket (`token_buckets`), L + 1 graphs of a model with
                   piece 0; for each layer i: the backend's attention over q/k/v[:T] (writes the layer's
                   K/V at fb.out_cache_loc) -> attn_out[:T]; piece i + 1   ->  hidden[:T]
 
-The pieces hand each other their tensors through static buffers allocated outside the graphs (q, k, v,
-the attention output, the residual stream, the final hidden states), so each graph's temporaries are its
-own and the graphs share one memory pool. Attention sees the real T rows only: the padding rows'
-values pass through the row-wise layers (norms, matmuls, rope, MLP) and never reach a real row, and no
-padding row's K/V is written. A bucket's graphs run the same matmuls on `padded` rows as an eager step
-of that many tokens would; within a bucket, T real rows are computed as in an eager step of `padded`.
+The pieces hand each other their tensors through static buffers allocated outside the graphs (the rotary
+angles piece 0 computes, q, k, v, the attention output, the residual stream, the final hidden states), so
+each graph's temporaries are its own and the graphs share one memory pool. Attention sees the real T rows
+only: the padding rows' values pass through the row-wise layers (norms, matmuls, rope, MLP) and never
+reach a real row, and no padding row's K/V is written. A bucket's graphs run the same matmuls on `padded`
+rows as an eager step of that many tokens would; within a bucket, T real rows are computed as in an eager
+step of `padded`.
 
 `capture=False` runs the pieces eagerly through the same buffers (the CPU tests of this plumbing).
 Without tensor parallelism only. The hidden states returned are valid until the next forward.
@@ -72,6 +73,8 @@ class PiecewiseGraphRunner:
         self.k = torch.zeros(n, attn.num_kv_heads, attn.head_dim, **act)
         self.v = torch.zeros(n, attn.num_kv_heads, attn.head_dim, **act)
         self.attn_out = torch.zeros(n, attn.q_size, **act)
+        self.cos = torch.zeros(n, 1, attn.head_dim, **act)
+        self.sin = torch.zeros(n, 1, attn.head_dim, **act)
         self.residual = torch.zeros(n, hidden, **act)
         self.hidden = torch.zeros(n, hidden, **act)
         self.graphs: Dict[Tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -126,7 +129,6 @@ class PiecewiseGraphRunner:
     def _piece(self, size: int, piece: int) -> None:
         """Piece `piece` over the first `size` rows of the static buffers."""
         model = self.model.model
-        cos, sin = model.rotary_emb.cos_sin(self.positions[:size], self.hidden.dtype)
         if piece == 0:
             x, residual = model.embed_tokens(self.input_ids[:size]), None
         else:
@@ -137,7 +139,11 @@ class PiecewiseGraphRunner:
             x, _ = model.norm(x, residual)
             self.hidden[:size].copy_(x)
             return
-        q, k, v, residual = self.layers[piece].before_attention(x, residual, cos, sin)
+        if piece == 0:  # the step's rotary angles, once: every layer's piece reads them
+            cos, sin = model.rotary_emb.cos_sin(self.positions[:size], self.hidden.dtype)
+            self.cos[:size].copy_(cos)
+            self.sin[:size].copy_(sin)
+        q, k, v, residual = self.layers[piece].before_attention(x, residual, self.cos[:size], self.sin[:size])
         self.q[:size].copy_(q)
         self.k[:size].copy_(k)
         self.v[:size].copy_(v)
