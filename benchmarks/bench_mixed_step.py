@@ -13,7 +13,8 @@ cached prefix), one step of the engine's own code:
             logits launched, no wait): when host_ms >= the device time, the step is bound by the host
   wall_ms   the step as the scheduler runs it: ForwardBatch from host lists, the step, tokens on the host
 
---piecewise-cuda-graph measures the same steps with `enable_piecewise_cuda_graph` (steps of up to 512 tokens).
+Prefill and mixed steps of up to 512 tokens replay piecewise CUDA graphs (`enable_piecewise_cuda_graph`, the
+engine's default); --no-piecewise-cuda-graph measures them all eager.
 P = 0 rows are the decode step the engine runs (a CUDA graph up to its largest captured batch): the
 baseline each mixed row adds its prompt tokens to. Weights are dummy (random, real shapes) from a
 config.json (--config); KV is random.
@@ -35,7 +36,7 @@ from typing import Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode import device_time_ms  # noqa: E402
+from bench_decode import ENGINE_DEFAULTS, device_time_ms  # noqa: E402
 from bench_offline import hardware, result_path  # noqa: E402
 
 
@@ -51,7 +52,7 @@ class MixedStepBench:
         max_prefill: int,
         prompt_len: int,
         dtype: str = "bfloat16",
-        piecewise: bool = False,
+        piecewise: bool = True,
     ):
         import torch
 
@@ -170,9 +171,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument(
         "--piecewise-cuda-graph",
-        action="store_true",
-        help="EngineConfig.enable_piecewise_cuda_graph: prefill and mixed steps of up to 512 tokens replay "
-        "piecewise CUDA graphs",
+        action=argparse.BooleanOptionalAction,
+        default=ENGINE_DEFAULTS.enable_piecewise_cuda_graph,
+        help="EngineConfig.enable_piecewise_cuda_graph (default: the engine's): prefill and mixed steps of up to "
+        "piecewise_cuda_graph_max_tokens replay piecewise CUDA graphs; --no-piecewise-cuda-graph: all eager",
     )
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/mixed-step_<model>_<gpu>.json)")
     args = p.parse_args()
@@ -207,7 +209,7 @@ def main() -> None:
             f"{r['decodes']:>8} {r['prefill']:>8} {r['cuda_graph'] or 'no':>9} {r['gpu_ms']:>9.2f} "
             f"{r['host_ms']:>9.2f} {r['wall_ms']:>9.2f}  {'host' if r['host_bound'] else 'device'}"
         )
-    suffix = "_piecewise" if args.piecewise_cuda_graph else ""
+    suffix = "" if args.piecewise_cuda_graph else "_eager"
     path = result_path(args.out, f"mixed-step_{model}{suffix}", hw)
     record = dict(
         benchmark="mixed_step",

@@ -137,12 +137,13 @@ class EngineConfig:
         },
     )
     enable_piecewise_cuda_graph: bool = field(
-        default=False,
+        default=True,
         metadata={
             "help": (
                 "Prefill and mixed steps of up to piecewise_cuda_graph_max_tokens tokens replay each layer's "
                 "work outside attention from CUDA graphs, one set per token bucket, and run attention eagerly "
-                "between them (CUDA, tensor_parallel_size 1)."
+                "between them. CUDA with tensor_parallel_size 1 and CUDA graphs on; elsewhere those steps "
+                "run eagerly."
             )
         },
     )
@@ -243,10 +244,6 @@ class EngineConfig:
         check(
             self.piecewise_cuda_graph_max_tokens >= 8,
             f"piecewise_cuda_graph_max_tokens must be >= 8, got {self.piecewise_cuda_graph_max_tokens}",
-        )
-        check(
-            not (self.enable_piecewise_cuda_graph and self.tensor_parallel_size > 1),
-            "enable_piecewise_cuda_graph needs tensor_parallel_size 1",
         )
         check(
             self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,

@@ -121,10 +121,17 @@ def test_steps_beyond_the_largest_bucket_and_decode_steps_are_not_taken(runner):
     assert not pieces.can_run(decode)
 
 
-def test_tensor_parallel_and_its_option_are_refused():
+def test_on_by_default_its_bound_checked_and_tensor_parallel_refused_by_the_runner(runner):
     from engine.errors import InvalidConfigError
 
-    with pytest.raises(InvalidConfigError, match="tensor_parallel_size 1"):
-        EngineConfig(enable_piecewise_cuda_graph=True, tensor_parallel_size=2)
+    assert EngineConfig().enable_piecewise_cuda_graph
+    EngineConfig(tensor_parallel_size=2)  # the default stays valid: such an engine runs those steps eagerly
     with pytest.raises(InvalidConfigError, match="piecewise_cuda_graph_max_tokens"):
         EngineConfig(piecewise_cuda_graph_max_tokens=4)
+    assert runner.piecewise_runner is None  # CPU: prefill and mixed steps run eagerly
+    own, runner.model.tp = runner.model.tp, object()  # a tensor-parallel model carries its group here
+    try:
+        with pytest.raises(ValueError, match="tensor parallelism"):
+            PiecewiseGraphRunner(runner.model, 16, runner.device, capture=False)
+    finally:
+        runner.model.tp = own
