@@ -50,6 +50,10 @@ records free + evictable == total. For the cluster, each workload's mean TTFT is
 worker call to the first message with tokens (of which the worker's own call start to first output), and
 the rest (HAProxy, HTTP, the serving layer and tokenization in the ingress).
 
+--engine-tpot first runs `bench_decode.py --engine-tpot` on the model's config (an Engine in a child
+process, batch 1, the random-1 shape, before any server starts) and records each radixserve server's
+random-1 TPOT over it (`tpot_endpoint_over_engine`): the endpoint's cost per token, from one run.
+
 --crosscheck SERVER:WORKLOAD (e.g. vllm:random-64, a random workload) runs `vllm bench serve`
 (--vllm-bench-cmd: vLLM's CLI with VLLM_PYTHONPATH / VLLM_PYTHON, as vllm_serve.sh runs it) against
 the same server right after our client's run of that workload, same shape (input / output length,
@@ -173,6 +177,54 @@ def lookup(summary: Dict[str, Any], key: str) -> Optional[float]:
     for part in key.split("."):
         value = value.get(part) if isinstance(value, dict) else None
     return None if value is None else float(value)
+
+
+def engine_tpot_argv(model_dir: str, out: str) -> List[str]:
+    """bench_decode.py --engine-tpot on MODEL_DIR's config.json, at the shape of the random-1 workload: an
+    Engine's own batch-1 time per output token, the figure each endpoint's random-1 TPOT is compared with."""
+    shape = WORKLOADS["random-1"]
+    return [
+        sys.executable,
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_decode.py"),
+        "--config",
+        os.path.join(model_dir, "config.json"),
+        "--batch-sizes",
+        "1",
+        "--steps",
+        "20",
+        "--engine-tpot",
+        "--tpot-input-len",
+        shape[shape.index("--input-len") + 1],
+        "--tpot-output-len",
+        shape[shape.index("--output-len") + 1],
+        "--out",
+        out,
+    ]
+
+
+def engine_tpot(model_dir: str, log_dir: str, timeout: float) -> Dict[str, Any]:
+    """Runs engine_tpot_argv in a child process (before any server, so it has the GPU to itself); its
+    `engine_tpot` record (tpot_ms, first_token_s, ...) plus the command. Raises when it fails."""
+    out = os.path.join(log_dir, "engine_tpot.json")
+    cmd = engine_tpot_argv(model_dir, out)
+    with open(os.path.join(log_dir, "engine_tpot.log"), "w") as log:
+        p = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT)
+    if p.returncode != 0:
+        raise RuntimeError(f"bench_decode.py --engine-tpot exited with {p.returncode} (engine_tpot.log)")
+    with open(out) as f:
+        result = json.load(f)["engine_tpot"]
+    return dict(result, command=shlex.join(cmd), measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
+
+
+def endpoint_over_engine(record: Dict[str, Any]) -> Dict[str, float]:
+    """Each radixserve server's random-1 TPOT (mean) over the engine's own (`engine_tpot`), where both ran."""
+    engine = (record.get("engine_tpot") or {}).get("tpot_ms")
+    out: Dict[str, float] = {}
+    for server, run in record.get("runs", {}).items():
+        tpot = lookup(run.get("workloads", {}).get("random-1") or {}, "tpot_ms.mean")
+        if server in RADIXSERVE and engine and tpot is not None:
+            out[server] = tpot / engine
+    return out
 
 
 def workload_argv(name: str, counts: Dict[str, int], extra: List[str]) -> List[str]:
@@ -1148,6 +1200,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="cluster: `ray stop --force` after stopping (ends EVERY Ray process of the machine)",
     )
+    p.add_argument(
+        "--engine-tpot",
+        action="store_true",
+        help="first measure the engine alone (bench_decode.py --engine-tpot, the random-1 shape) and report each "
+        "endpoint's random-1 TPOT over it",
+    )
     p.add_argument("--crosscheck", nargs="*", default=[], metavar="SERVER:WORKLOAD")
     p.add_argument(
         "--vllm-bench-cmd",
@@ -1223,8 +1281,19 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     def save() -> None:
         record["ratios_to_vllm"] = ratios(runs)
+        record["tpot_endpoint_over_engine"] = endpoint_over_engine(record)
         with open(out, "w") as f:
             json.dump(record, f, indent=1)
+
+    if args.engine_tpot:
+        print("\n=== engine alone (batch-1 TPOT) ===", flush=True)
+        try:
+            record["engine_tpot"] = engine_tpot(args.model_dir, log_dir, args.start_timeout)
+            print(f"engine alone: {record['engine_tpot']['tpot_ms']:.3f} ms per output token", flush=True)
+        except Exception as exc:  # noqa: BLE001 - the servers still run
+            record["engine_tpot"] = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"engine alone: {record['engine_tpot']['error']}", flush=True)
+        save()
 
     for name in args.servers:
         print(f"\n=== {name} ===", flush=True)
@@ -1310,6 +1379,11 @@ def main(argv: Optional[List[str]] = None) -> None:
                     for k, v in c["agreement"].items()
                 )
             )
+    if record.get("tpot_endpoint_over_engine"):
+        print(
+            f"random-1 TPOT over the engine alone ({record['engine_tpot']['tpot_ms']:.3f} ms): "
+            + ", ".join(f"{k} {v:.3f}" for k, v in record["tpot_endpoint_over_engine"].items())
+        )
     leaks = {f"{s}:{w}": kv.get("kv_no_leak") for s, r in runs.items() for w, kv in r.get("kv", {}).items()}
     if leaks:
         print("KV free + evictable == total after each workload: " + ", ".join(f"{k} {v}" for k, v in leaks.items()))

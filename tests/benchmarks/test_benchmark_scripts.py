@@ -230,6 +230,31 @@ def test_bench_online_ratios_and_table_from_fabricated_summaries():
     ]
 
 
+def test_bench_online_engine_tpot_is_measured_at_the_random_1_shape_and_compared():
+    """--engine-tpot: bench_decode's engine TPOT at random-1's input / output lengths, and each radixserve
+    server's random-1 TPOT over it (vLLM's is not ours to compare with the engine)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_online
+
+    argv = bench_online.engine_tpot_argv("/models/llama", "/tmp/x.json")
+    assert argv[1].endswith("bench_decode.py") and "--engine-tpot" in argv
+    assert argv[argv.index("--config") + 1] == "/models/llama/config.json"
+    shape = bench_online.WORKLOADS["random-1"]
+    for flag, ours in (("--input-len", "--tpot-input-len"), ("--output-len", "--tpot-output-len")):
+        assert argv[argv.index(ours) + 1] == shape[shape.index(flag) + 1]
+    tpot = {"tpot_ms": {"mean": 4.2}}
+    record = {
+        "engine_tpot": {"tpot_ms": 4.0},
+        "runs": {
+            "vllm": {"workloads": {"random-1": tpot}},
+            "serving": {"workloads": {"random-1": tpot}},
+            "cluster": {"workloads": {"random-8": tpot}},
+        },
+    }
+    assert bench_online.endpoint_over_engine(record) == {"serving": pytest.approx(1.05)}
+    assert bench_online.endpoint_over_engine({"engine_tpot": {"error": "x"}, "runs": record["runs"]}) == {}
+
+
 def test_multi_turn_history_from_the_dataset_is_the_same_for_every_server():
     """--history dataset: each turn's answer in the history is fixed text (output-len words) drawn from the seed,
     so two servers whose answers differ are sent the same conversations; --history generated leaves it to
