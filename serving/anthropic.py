@@ -201,7 +201,7 @@ def _tool_use(call: ToolCall) -> Dict[str, Any]:
 async def create_message(body: MessagesRequest, request: Request):
     st = get_state(request)
     st.check_model(body.model)
-    plan, params = prepare_chat(st, chat_request(body), _RENAME)
+    plan, params = await prepare_chat(st, chat_request(body), _RENAME)
     mid = message_id()
     stream = await st.start_stream([plan.prompt_ids], params, mid, body.timeout, request)
     if body.stream:
@@ -264,7 +264,7 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> Dict[str, 
     st = get_state(request)
     st.check_model(body.model)
     chat = chat_request(body)
-    return {"input_tokens": len(plan_chat(st, chat).prompt_ids)}
+    return {"input_tokens": len((await plan_chat(st, chat)).prompt_ids)}
 
 
 class AnthropicErrorShape:

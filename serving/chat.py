@@ -139,7 +139,7 @@ def _answer_schema(body: ChatCompletionRequest) -> Optional[Dict[str, Any]]:
     return fmt.json_schema.schema_
 
 
-def plan_chat(st: ServingState, body: ChatCompletionRequest) -> ChatPlan:
+async def plan_chat(st: ServingState, body: ChatCompletionRequest) -> ChatPlan:
     tools = body.tools or []
     choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
     if not tools and choice != "none":
@@ -165,12 +165,13 @@ def plan_chat(st: ServingState, body: ChatCompletionRequest) -> ChatPlan:
     kwargs = {}
     if body.continue_final_message:
         kwargs["continue_final_message"] = True
-    ids = st.tokenizer.apply_chat_template(
+    text = st.tokenizer.chat_prompt_text(
         messages,
         tools=template_tools,
         add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
         **kwargs,
     )
+    ids = await st.encode(text, add_special_tokens=False, param="messages")  # the template wrote the specials
     answer = _answer_schema(body)
     schema = lark = None
     if tool_mode == "forced":
@@ -193,7 +194,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     refuse_unsupported(body, CHAT_REFUSED)
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs", "invalid_request")
-    plan = plan_chat(st, body)
+    plan = await plan_chat(st, body)
     st.check_ids(plan.prompt_ids, "messages")
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = st.check_context(len(plan.prompt_ids), requested, "messages")

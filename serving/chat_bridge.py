@@ -24,14 +24,14 @@ from serving.state import ServingState
 from serving.streams import GenerationStream
 
 
-def prepare_chat(
+async def prepare_chat(
     st: ServingState, body: ChatCompletionRequest, rename: Optional[Dict[str, str]] = None
 ) -> Tuple[ChatPlan, SamplingParams]:
     """The chat plan and sampling parameters of `body` (one choice); a 400 names the caller's parameter:
     `rename` maps the chat route's names ("messages", "max_tokens", ...) to the calling API's."""
     rename = rename or {}
     try:
-        plan = plan_chat(st, body)
+        plan = await plan_chat(st, body)
         st.check_ids(plan.prompt_ids, "messages")
         max_tokens = st.check_context(len(plan.prompt_ids), body.max_completion_tokens, "messages")
         params = st.sampling_params(body, max_tokens, json_schema=plan.json_schema)

@@ -57,7 +57,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     st = get_state(request)
     st.check_model(body.model)
     _check(body)
-    prompts = st.prompt_ids(body.prompt)
+    prompts = await st.prompt_ids(body.prompt)
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
     for ids in prompts:
         st.check_context(len(ids), max_tokens, "prompt")

@@ -8,6 +8,7 @@ default), then `data: [DONE]`.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, AsyncIterator, Dict, List
 
 from fastapi import APIRouter, Request
@@ -21,7 +22,7 @@ from serving.streams import ChoiceState, GenerationStream, cancel_on_disconnect,
 router = APIRouter()
 
 
-def _prompts(st: ServingState, body: GenerateRequest) -> tuple:
+async def _prompts(st: ServingState, body: GenerateRequest) -> tuple:
     """(id lists, whether the request was a batch)."""
     if (body.text is None) == (body.input_ids is None):
         raise APIError(400, "give exactly one of text or input_ids", "text", "invalid_request")
@@ -30,7 +31,7 @@ def _prompts(st: ServingState, body: GenerateRequest) -> tuple:
         texts = body.text if batch else [body.text]
         if not texts:
             raise APIError(400, "text must not be empty", "text", "invalid_request")
-        prompts = [st.tokenizer.encode(t) for t in texts]
+        prompts = list(await asyncio.gather(*(st.encode(t) for t in texts)))  # one batch
     else:
         batch = bool(body.input_ids) and isinstance(body.input_ids[0], list)
         prompts = [list(p) for p in body.input_ids] if batch else [list(body.input_ids)]
@@ -63,7 +64,7 @@ def _meta(rid: str, s: ChoiceState, body: GenerateRequest) -> Dict[str, Any]:
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request):
     st = get_state(request)
-    prompts, batch = _prompts(st, body)
+    prompts, batch = await _prompts(st, body)
     values = dict(body.sampling_params)
     if body.return_logprob:
         values.update(logprobs=True, top_logprobs=body.top_logprobs_num)

@@ -49,11 +49,12 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     if body.messages is not None:
         if not body.messages:
             raise APIError(400, "messages must not be empty", "messages", "invalid_request")
-        ids = st.tokenizer.apply_chat_template(
+        text = st.tokenizer.chat_prompt_text(
             template_messages(body.messages, False), add_generation_prompt=body.add_generation_prompt
         )
+        ids = await st.encode(text, add_special_tokens=False, param="messages")
     else:
-        ids = st.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        ids = await st.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     return TokenizeResponse(count=len(ids), max_model_len=st.backend.context_len, tokens=ids)
 
 

@@ -319,7 +319,7 @@ async def create_response(body: ResponsesRequest, request: Request):
         body = body.model_copy(update={"store": False})
     items = await conversation_items(body, store)
     text_format, _ = _text_format(body)
-    plan, params = prepare_chat(st, chat_request(body, items), _RENAME)
+    plan, params = await prepare_chat(st, chat_request(body, items), _RENAME)
     rid = item_id("resp")
     stream = await st.start_stream([plan.prompt_ids], params, rid, body.timeout, request)
     answer = _Answer(rid, body, st.model_name, text_format)

@@ -4,6 +4,7 @@ strings for logprobs, usage."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -12,6 +13,7 @@ from fastapi import Request
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from serving.backend import ServingBackend
+from serving.encoder import BatchEncoder
 from serving.errors import APIError
 from serving.lifetime import Lifetimes
 from serving.metrics import Metrics
@@ -28,6 +30,7 @@ class ServingState:
     lifetimes: Lifetimes
     """Deadlines of the requests in flight, and the drain on shutdown."""
     _token_strs: Dict[int, str] = field(default_factory=dict)
+    _encoder: Optional[BatchEncoder] = field(default=None, repr=False)
 
     async def start_stream(
         self,
@@ -54,6 +57,14 @@ class ServingState:
     def tokenizer(self) -> Any:
         return self.backend.tokenizer
 
+    async def encode(self, text: Any, add_special_tokens: bool = True, param: str = "prompt") -> List[int]:
+        """Token ids of a prompt text, encoded off the event loop and together with the texts of the
+        requests that arrive meanwhile (serving/encoder.py); InvalidRequestError(param) for a text that is
+        not a string of valid Unicode."""
+        if self._encoder is None:
+            self._encoder = BatchEncoder(self.tokenizer)
+        return await self._encoder.encode(text, add_special_tokens, param)
+
     def check_model(self, model: Optional[str]) -> None:
         """404 model_not_found (OpenAI's and vLLM's answer) unless `model` is the served model."""
         if model != self.model_name:
@@ -64,7 +75,7 @@ class ServingState:
                 "model_not_found",
             )
 
-    def prompt_ids(self, prompt: Any) -> List[List[int]]:
+    async def prompt_ids(self, prompt: Any) -> List[List[int]]:
         """A completions `prompt` (string, strings, ids, or lists of ids) → one id list per prompt."""
         if isinstance(prompt, str):
             prompts: List[Any] = [prompt]
@@ -74,11 +85,11 @@ class ServingState:
             prompts = list(prompt)
         if not prompts:
             raise APIError(400, "prompt must not be empty", "prompt", "invalid_request")
-        out = []
-        for p in prompts:
-            ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+        texts = [p for p in prompts if isinstance(p, str)]
+        encoded = iter(await asyncio.gather(*(self.encode(t) for t in texts)))  # one batch
+        out = [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
+        for ids in out:
             self.check_ids(ids, "prompt")
-            out.append(ids)
         return out
 
     def check_ids(self, ids: Sequence[int], param: str) -> None:

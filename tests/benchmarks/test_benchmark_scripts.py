@@ -42,6 +42,7 @@ def run_script(name, *args):
         "bench_tp.py",
         "bench_allreduce.py",
         "bench_grammar.py",
+        "bench_encoder.py",
     ],
 )
 def test_help(name):
@@ -253,6 +254,20 @@ def test_bench_online_engine_tpot_is_measured_at_the_random_1_shape_and_compared
     }
     assert bench_online.endpoint_over_engine(record) == {"serving": pytest.approx(1.05)}
     assert bench_online.endpoint_over_engine({"engine_tpot": {"error": "x"}, "runs": record["runs"]}) == {}
+
+
+def test_bench_encoder_times_both_ways_and_checks_the_ids(tmp_path):
+    out = tmp_path / "encoder.json"
+    proc = run_script("bench_encoder.py", "--bursts", "1", "3", "--threads", "1", "--repeats", "1", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(out.read_text())
+    assert [(r["variant"], r["burst"]) for r in record["results"]] == [
+        ("inline", 1),
+        ("inline", 3),
+        ("encoder, 1 thread", 1),
+        ("encoder, 1 thread", 3),
+    ]
+    assert record["mean_prompt_tokens"] > 500 and "cpu_count" in record["hardware"]
 
 
 def test_multi_turn_history_from_the_dataset_is_the_same_for_every_server():

@@ -5,6 +5,7 @@ live cluster runs both APIs in test_cluster.py)."""
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
@@ -24,21 +25,23 @@ WEATHER = {
 
 @pytest.fixture(scope="module")
 def rendering():
-    """What plan_chat reads of the serving state: the default model's tokenizer."""
+    """What plan_chat uses of the serving state: the default model's tokenizer, and its encoder."""
     from engine.models.source import resolve_model
     from engine.tokenizer import load_tokenizer
+    from serving.encoder import BatchEncoder
 
-    return SimpleNamespace(tokenizer=load_tokenizer(resolve_model(None)))
+    tokenizer = load_tokenizer(resolve_model(None))
+    return SimpleNamespace(tokenizer=tokenizer, encode=BatchEncoder(tokenizer).encode)
 
 
 @pytest.mark.parametrize("tools", [None, [WEATHER]])
 def test_continuation_goes_to_the_worker_holding_its_prefix(rendering, tools):
     turn1 = [{"role": "user", "content": STORY + " Remember these facts."}]
     body = ResponsesRequest(model="m", input=turn1, instructions="Be brief.", tools=tools)
-    ids1 = plan_chat(rendering, chat_request(body, turn1)).prompt_ids
+    ids1 = asyncio.run(plan_chat(rendering, chat_request(body, turn1))).prompt_ids
     output = [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Noted."}]}]
     turn2 = [*turn1, *output, {"role": "user", "content": "Where is the pen?"}]
-    ids2 = plan_chat(rendering, chat_request(body, turn2)).prompt_ids
+    ids2 = asyncio.run(plan_chat(rendering, chat_request(body, turn2))).prompt_ids
     assert len(ids2) > len(ids1) and ids2[: len(ids1)] == ids1
 
     router = PoolRouter("cache_aware")

@@ -45,6 +45,22 @@ def metaspace_tok(tmp_path_factory):
     return load_tokenizer(ModelSource(name="metaspace", folder=str(folder)))
 
 
+def test_encode_batch_gives_encode_ids(tok, metaspace_tok):
+    """One batch call gives each text the ids `encode` gives it, also where the Rust backend was set to
+    truncate (transformers turns that off per call; encode_batch then encodes through transformers)."""
+    import copy
+
+    from engine.tokenizer import Tokenizer
+
+    texts = ["Hello world!", "", " café", "<|im_start|>user\nhi<|im_end|>\n", "Hello world! " * 50]
+    truncating = copy.deepcopy(metaspace_tok.hf)
+    truncating.backend_tokenizer.enable_truncation(2)
+    for t in (tok, metaspace_tok, Tokenizer(truncating)):
+        for special in (True, False):
+            assert t.encode_batch(texts, special) == [t.encode(x, special) for x in texts]
+    assert len(Tokenizer(truncating).encode_batch(["Hello world! Hello"])[0]) > 2
+
+
 def stream(detok, ids, chunk_sizes=(1,)):
     """Feed `ids` in chunks cycling through `chunk_sizes`; return the list of deltas incl. flush."""
     deltas, i, k = [], 0, 0

@@ -5,6 +5,7 @@ the store disabled)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -210,8 +211,8 @@ def test_continued_prompt_extends_the_earlier_prompt_tokens(default_engine):
     turn2 = [{"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]
     for tools in (None, [WEATHER]):
         body = ResponsesRequest(model=MODEL, input=turn1, instructions="Be helpful.", tools=tools)
-        ids1 = prepare_chat(st, chat_request(body, turn1))[0].prompt_ids
-        ids2 = prepare_chat(st, chat_request(body, turn1 + output + turn2))[0].prompt_ids
+        ids1 = asyncio.run(prepare_chat(st, chat_request(body, turn1)))[0].prompt_ids
+        ids2 = asyncio.run(prepare_chat(st, chat_request(body, turn1 + output + turn2)))[0].prompt_ids
         assert len(ids2) > len(ids1) and ids2[: len(ids1)] == ids1
 
 
