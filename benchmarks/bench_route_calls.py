@@ -30,7 +30,7 @@ from bench_offline import result_path  # noqa: E402
 async def measure(args) -> List[Dict]:
     from ray import serve
 
-    from cluster.ingress.call_batcher import CallBatcher
+    from serving.call_batcher import CallBatcher
     from cluster.router.policies import RouteRequest
 
     router = serve.get_deployment_handle("Router", app_name=args.app_name)

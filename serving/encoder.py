@@ -8,8 +8,8 @@ new request. So the routes hand their texts to one BatchEncoder per ServingState
     encode(text) ─▶ future ─┐   pending ──▶ Tokenizer.encode_batch on worker threads ──▶ ids, per text
                             └── resolved with its own ids (a text that is no valid string fails alone, at once)
 
-- One batch is encoded at a time; the texts asked for meanwhile wait and go together in the next one.
-  Alone, a text is encoded at once.
+- One batch is encoded at a time (per add_special_tokens value); the texts asked for meanwhile wait and
+  go together in the next one (serving/call_batcher.py). Alone, a text is encoded at once.
 - A batch is one `encode_batch` call into the fast tokenizer per worker thread. The Rust tokenizer
   releases the GIL while it encodes a batch, so the event loop runs on, and a batch split over several
   threads is encoded in parallel (`threads`: one per four CPUs, 1 to 4; one on a small machine, where
@@ -23,12 +23,14 @@ batching front of its own. Owned by one ServingState; `encode` runs on its event
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from engine.tokenizer import Tokenizer
+from serving.call_batcher import CallBatcher
 
 MAX_BATCH = 64
 """Texts in one batch at most."""
@@ -66,62 +68,37 @@ class BatchEncoder:
     def __init__(self, tokenizer: Tokenizer, threads: Optional[int] = None, max_batch: int = MAX_BATCH):
         self.tokenizer = tokenizer
         self.threads = threads or default_threads()
-        self.max_batch = max_batch
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="encode")
         self._closer = weakref.finalize(self, self._pool.shutdown, wait=False)  # threads end with the encoder
-        self._pending: Dict[bool, List[Tuple[str, asyncio.Future]]] = {True: [], False: []}
-        self._task: Optional[asyncio.Task] = None
-        self.batches = 0
+        self._batchers: Dict[bool, CallBatcher[str]] = {
+            special: CallBatcher(
+                f"encode (add_special_tokens={special})", functools.partial(self._encode_batch, special), max_batch
+            )
+            for special in (True, False)
+        }
+        """One batcher per add_special_tokens: a batch is one encode_batch call, made with one flag."""
+
+    @property
+    def batches(self) -> int:
         """Batches encoded so far."""
-        self.texts = 0
+        return sum(b.calls for b in self._batchers.values())
+
+    @property
+    def texts(self) -> int:
         """Texts they carried."""
+        return sum(b.items for b in self._batchers.values())
 
     async def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> List[int]:
         """`Tokenizer.encode(text, add_special_tokens)`; InvalidRequestError(param) for a text that is not a
         string or not valid Unicode, at once."""
         self.tokenizer.check_text(text, param)
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self._pending[add_special_tokens].append((text, future))
-        if self._task is None:
-            self._task = loop.create_task(self._drain())
-        return await future
+        return await self._batchers[add_special_tokens].submit(text)
 
     def close(self) -> None:
         """Stops the worker threads (after the batch they encode, if any); garbage collection does too."""
         self._closer()
 
-    async def _drain(self) -> None:
-        try:
-            while self._pending[True] or self._pending[False]:
-                for special in (True, False):
-                    batch = self._pending[special][: self.max_batch]
-                    if not batch:
-                        continue
-                    del self._pending[special][: len(batch)]
-                    self.batches += 1
-                    self.texts += len(batch)
-                    try:
-                        ids = await self._encode_batch([text for text, _ in batch], special)
-                    except Exception as exc:  # noqa: BLE001 - the batch failed: each of its texts fails alike
-                        ids = [exc] * len(batch)
-                    for (_, future), result in zip(batch, ids):
-                        if future.done():  # its request gave up waiting
-                            continue
-                        if isinstance(result, BaseException):
-                            future.set_exception(result)
-                        else:
-                            future.set_result(result)
-        except BaseException:  # cancelled (the loop is closing): so is every text still waiting
-            for waiting in self._pending.values():
-                for _, future in waiting:
-                    future.cancel()
-                waiting.clear()
-            raise
-        finally:
-            self._task = None
-
-    async def _encode_batch(self, texts: List[str], add_special_tokens: bool) -> List[List[int]]:
+    async def _encode_batch(self, add_special_tokens: bool, texts: List[str]) -> List[List[int]]:
         loop = asyncio.get_running_loop()
         runs = split_even(texts, self.threads)
         parts = await asyncio.gather(

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Dict, List, Opti
 from ray.exceptions import ActorUnavailableError
 
 from cluster.ingress.latency import IngressLatency, RequestClock
-from cluster.ingress.call_batcher import CallBatcher
+from serving.call_batcher import CallBatcher
 from cluster.router.policies import Finished, NoWorkersError, RouteRequest
 from cluster.rpc import STREAM_OPTIONS, awaited, detached, is_dead, unwrap
 from cluster.workers.base import WorkerItem, WrongReplicaError
@@ -401,7 +401,7 @@ class ClusterBackend(ServingBackend):
 
     def _route(self, ids: List[int], rid: str, refused: Tuple[str, ...]) -> Any:
         """The routing call: a RoutingDecision, not one of `refused` (they answered queue_full); batched with
-        this replica's other prompts waiting for one (call_batcher.py)."""
+        this replica's other prompts waiting for one (serving/call_batcher.py)."""
         return self.route_calls.submit(RouteRequest(ids, rid, refused))
 
     def _streaming_worker(self, placement: Any) -> str:

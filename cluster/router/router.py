@@ -187,7 +187,7 @@ class RouterDeployment:
     async def route_many(self, requests: List[RouteRequest], pool: str = "unified") -> List[Any]:
         """`route` for each request, in order: its RoutingDecision, or the NoWorkersError / PoolFullError
         that `route` would raise for it. One call for the prompts an ingress replica has waiting
-        (cluster/ingress/call_batcher.py): a call through Serve costs far more than a decision."""
+        (serving/call_batcher.py): a call through Serve costs far more than a decision."""
         out: List[Any] = []
         for r in requests:
             try:

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from cluster.ingress.call_batcher import CallBatcher
+from serving.call_batcher import CallBatcher
 from cluster.router.policies import PoolFullError, RouteRequest
 
 
@@ -138,6 +138,6 @@ def test_calls_nobody_awaits_go_in_batches_and_their_failures_are_logged(caplog)
             await asyncio.sleep(0.01)
         assert sent == [["a"], ["b", "c", "d"]] and batcher._task is None
 
-    with caplog.at_level("WARNING", logger="cluster.ingress.call_batcher"):
+    with caplog.at_level("WARNING", logger="serving.call_batcher"):
         asyncio.run(run())
     assert sum("router unreachable" in r.getMessage() for r in caplog.records) == 3

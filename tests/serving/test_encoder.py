@@ -72,7 +72,7 @@ def test_a_waiter_that_gives_up_leaves_the_others_their_ids(tokenizer):
 
     first, last, cancelled = asyncio.run(run())
     assert (first, last, cancelled) == (tokenizer.encode("first"), tokenizer.encode("last"), True)
-    assert encoder._task is None and not any(encoder._pending.values())
+    assert all(b._task is None and not b._pending for b in encoder._batchers.values())
 
 
 def test_the_event_loop_runs_while_a_batch_is_encoded(tokenizer):

@@ -1,18 +1,22 @@
-"""CallBatcher: an ingress replica's calls of one kind to the router, sent in batches.
+"""CallBatcher: calls of one kind made for many requests of one event loop, sent in batches.
 
-A routing decision takes the router tens of microseconds; the Serve call that carries it costs both sides
-far more (request handling, serialization, gRPC), and the one router replica serves every ingress
-replica's calls one at a time. When requests arrive (or end) in a burst (a multi-turn round, a wave of
-chats), one call per request queues them behind each other. So an ingress replica keeps at most one call
-of a kind in flight; the items that arrive meanwhile wait and go together in the next call. Alone, an item
-is sent at once; under load, one call carries every item that arrived during the previous one.
+When requests arrive (or end) in a burst (a multi-turn round, a wave of chats), one call per request would
+queue them behind each other where one call for many costs about as much as one for one. So at most one
+call of a kind is in flight; the items that arrive meanwhile wait and go together in the next call. Alone,
+an item is sent at once; under load, one call carries every item that arrived during the previous one.
+Its users:
 
-    submit(item) ─▶ future ─┐   pending ──▶ send(batch) ──▶ Router.route_many / finish_many ──▶ results
+  - the cluster's ingress replicas: their routing and finish calls to the router (cluster/ingress/backend.py,
+    Router.route_many / finish_many): a decision takes the router tens of microseconds, the Serve call
+    that carries it far more, and the one router replica serves every ingress replica's calls in turn;
+  - the servers' prompt encoder (serving/encoder.py): one call into the Rust tokenizer per batch.
+
+    submit(item) ─▶ future ─┐   pending ──▶ send(batch) ──▶ results
                             └── resolved with its own result (e.g. a decision, or PoolFullError for this
                                 prompt); a failed call fails each of its items
     submit_nowait(item)         the same, for calls nobody awaits (Router.finish_many): a failure is logged
 
-Owned by one ingress replica; runs on its event loop only.
+Owned by one component; runs on its event loop only.
 """
 
 from __future__ import annotations
@@ -59,8 +63,8 @@ class CallBatcher(Generic[Item]):
     def _enqueue(self, item: Item, future: Optional[asyncio.Future]) -> None:
         self._pending.append((item, future))
         if self._task is None:
-            # Outside the caller's request context: Serve cancels a request's calls when the request is
-            # cancelled, and this call carries other requests' items too (see cluster.rpc.detached).
+            # Outside the caller's request context: this call carries other requests' items too, and Serve
+            # cancels a request's calls when the request is cancelled (see cluster.rpc.detached).
             self._task = asyncio.get_running_loop().create_task(self._drain(), context=contextvars.Context())
 
     async def _drain(self) -> None:
