@@ -3,8 +3,8 @@
 Streams every request (SSE) and measures, per request: TTFT, ITL, E2E latency, TPOT and output
 tokens (from `usage`); overall: request and token throughput, p50/p90/p99 of each latency, and the
 prefix-cache hit rate — client-side from `usage.prompt_tokens_details.cached_tokens`, and
-server-side from radixserve's /router/stats (cluster) or /metrics (single node), as the change over
-the run.
+server-side from radixserve's /router/stats (cluster) or /metrics (single node), or vLLM's
+`vllm:prefix_cache_hits` / `vllm:prefix_cache_queries` counters, as the change over the run.
 
 Token events are counted as vLLM's own client (`vllm bench serve`, vllm/benchmarks/lib/
 endpoint_request_func.py) counts them: every streamed chunk whose `choices` list is non-empty is one
@@ -281,11 +281,19 @@ def server_cache_counters(base_url: str, api_key: Optional[str]) -> Optional[Dic
             def total(name: str) -> float:
                 return sum(float(v) for v in re.findall(rf"^{name}(?:_total)?(?:{{[^}}]*}})? (\S+)$", r.text, re.M))
 
-            return {
-                "source": "metrics",
-                "prompt_tokens": total("radixserve_prompt_tokens"),
-                "cached_tokens": total("radixserve_cached_prompt_tokens"),
-            }
+            if re.search(r"^radixserve_prompt_tokens", r.text, re.M):
+                return {
+                    "source": "metrics",
+                    "prompt_tokens": total("radixserve_prompt_tokens"),
+                    "cached_tokens": total("radixserve_cached_prompt_tokens"),
+                }
+            if re.search(r"^vllm:prefix_cache_queries", r.text, re.M):
+                # vLLM's prefix cache counters (tokens looked up / tokens found), summed over its engines.
+                return {
+                    "source": "vllm_metrics",
+                    "prompt_tokens": total("vllm:prefix_cache_queries"),
+                    "cached_tokens": total("vllm:prefix_cache_hits"),
+                }
     except (httpx.HTTPError, KeyError, ValueError):
         pass
     return None

@@ -186,6 +186,34 @@ def test_bench_serving_counts_every_chunk_with_choices_as_a_token_event():
     assert summary["tpot_ms"]["mean"] == (res.e2e - res.ttft) * 1e3
 
 
+def test_bench_serving_reads_vllm_prefix_cache_counters(monkeypatch):
+    """A server without /router/stats and radixserve's counters: vLLM's prefix-cache counters (summed over
+    its engines) give the server-side hit rate."""
+    import httpx
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_serving as bs
+
+    metrics = (
+        "# TYPE vllm:prefix_cache_queries counter\n"
+        'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1000.0\n'
+        'vllm:prefix_cache_queries_total{engine="1",model_name="m"} 500.0\n'
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 600.0\n'
+        'vllm:prefix_cache_hits_total{engine="1",model_name="m"} 150.0\n'
+    )
+
+    def get(url, **_):
+        if url.endswith("/metrics"):
+            return httpx.Response(200, text=metrics)
+        return httpx.Response(404, text="not found")
+
+    monkeypatch.setattr(httpx, "get", get)
+    got = bs.server_cache_counters("http://server", None)
+    assert got == {"source": "vllm_metrics", "prompt_tokens": 1500.0, "cached_tokens": 750.0}
+    monkeypatch.setattr(httpx, "get", lambda url, **_: httpx.Response(200 if url.endswith("/metrics") else 404))
+    assert bs.server_cache_counters("http://server", None) is None
+
+
 def test_bench_online_ratios_and_table_from_fabricated_summaries():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import bench_online
