@@ -13,8 +13,9 @@ cached prefix), one step of the engine's own code:
             logits launched, no wait): when host_ms >= the device time, the step is bound by the host
   wall_ms   the step as the scheduler runs it: ForwardBatch from host lists, the step, tokens on the host
 
-Prefill and mixed steps of up to 512 tokens replay piecewise CUDA graphs (`enable_piecewise_cuda_graph`, the
-engine's default); --no-piecewise-cuda-graph measures them all eager.
+Prefill and mixed steps of up to --piecewise-cuda-graph-max-tokens replay piecewise CUDA graphs
+(`enable_piecewise_cuda_graph`, the engine's default); --no-piecewise-cuda-graph measures them all eager.
+--profile D:P prints where one step's time goes (kernels on the device, Python functions on the host).
 P = 0 rows are the decode step the engine runs (a CUDA graph up to its largest captured batch): the
 baseline each mixed row adds its prompt tokens to. Weights are dummy (random, real shapes) from a
 config.json (--config); KV is random.
@@ -53,6 +54,7 @@ class MixedStepBench:
         prompt_len: int,
         dtype: str = "bfloat16",
         piecewise: bool = True,
+        piecewise_max_tokens: int = 512,
     ):
         import torch
 
@@ -71,6 +73,7 @@ class MixedStepBench:
             max_total_tokens=max_decodes * (context_len + 1) + prompts * prompt_len + 64,
             context_length=max(context_len + 64, prompt_len, 2048),
             enable_piecewise_cuda_graph=piecewise,
+            piecewise_cuda_graph_max_tokens=piecewise_max_tokens,
         )
         self.runner = runner = ModelRunner(config, resolve_model(model_dir))
         self.decoding = [self._request(context_len + 1) for _ in range(max_decodes)]
@@ -159,6 +162,41 @@ class MixedStepBench:
         )
 
 
+def profile(bench: MixedStepBench, decodes: int, prefill: int, steps: int = 5) -> None:
+    """Where one step's time goes: torch.profiler's kernels by device time over `steps` steps, then cProfile's
+    Python functions by own host time over `steps` enqueues (device idle before each, as host_ms)."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    device = bench.runner.device
+    fb = bench.batch(decodes, prefill)
+    for _ in range(3):
+        bench.launch(fb)
+    torch.cuda.synchronize(device)
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            bench.launch(fb)
+        torch.cuda.synchronize(device)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70)
+    print(f"\nkernels of {steps} steps, {decodes} decodes + {prefill} prompt tokens (by device time):\n{table}")
+    prof_host = cProfile.Profile()
+    for _ in range(steps):
+        torch.cuda.synchronize(device)
+        prof_host.enable()
+        bench.launch(fb)
+        prof_host.disable()
+    torch.cuda.synchronize(device)
+    out = io.StringIO()
+    pstats.Stats(prof_host, stream=out).sort_stats("tottime").print_stats(25)
+    print(f"host functions of {steps} enqueues, {decodes} decodes + {prefill} prompt tokens (by own time):")
+    print(out.getvalue(), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -176,8 +214,33 @@ def main() -> None:
         help="EngineConfig.enable_piecewise_cuda_graph (default: the engine's): prefill and mixed steps of up to "
         "piecewise_cuda_graph_max_tokens replay piecewise CUDA graphs; --no-piecewise-cuda-graph: all eager",
     )
+    p.add_argument(
+        "--piecewise-cuda-graph-max-tokens",
+        type=int,
+        default=ENGINE_DEFAULTS.piecewise_cuda_graph_max_tokens,
+        help="EngineConfig.piecewise_cuda_graph_max_tokens (default: the engine's): the largest piecewise step",
+    )
+    p.add_argument(
+        "--profile",
+        nargs="*",
+        default=[],
+        metavar="D:P",
+        help="after the table, profile the step of D decodes and P prompt tokens: kernels by device time "
+        "(torch.profiler; with PDL on a kernel's time includes its wait for the one before) and Python "
+        "functions by host time (cProfile)",
+    )
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/mixed-step_<model>_<gpu>.json)")
     args = p.parse_args()
+
+    profiles = []
+    for spec in args.profile:
+        try:
+            d, n = (int(x) for x in spec.split(":"))
+        except ValueError:
+            p.error(f"--profile takes D:P pairs of integers, got {spec!r}")
+        if not (0 <= d <= max(args.decodes) and 0 <= n <= max(args.prefill) and d + n > 0):
+            p.error(f"--profile {spec}: D and P must fit the largest --decodes and --prefill, not both 0")
+        profiles.append((d, n))
 
     import torch
 
@@ -192,6 +255,7 @@ def main() -> None:
         max(args.prefill),
         args.prompt_len,
         piecewise=args.piecewise_cuda_graph,
+        piecewise_max_tokens=args.piecewise_cuda_graph_max_tokens,
     )
     rows: List[Dict] = []
     with torch.inference_mode():
@@ -200,6 +264,9 @@ def main() -> None:
                 if d or n:
                     rows.append(bench.measure(d, n, args.steps))
                     print({k: round(v, 3) if isinstance(v, float) else v for k, v in rows[-1].items()}, flush=True)
+    with torch.inference_mode():
+        for d, n in profiles:
+            profile(bench, d, n)
     hw = hardware()
     model = os.path.splitext(os.path.basename(args.config))[0]
     print(f"\nprefill and mixed steps, {model} dummy bf16, decode context {args.context_len}; {hw.get('gpu')}")
@@ -210,6 +277,11 @@ def main() -> None:
             f"{r['host_ms']:>9.2f} {r['wall_ms']:>9.2f}  {'host' if r['host_bound'] else 'device'}"
         )
     suffix = "" if args.piecewise_cuda_graph else "_eager"
+    if (
+        args.piecewise_cuda_graph
+        and args.piecewise_cuda_graph_max_tokens != ENGINE_DEFAULTS.piecewise_cuda_graph_max_tokens
+    ):
+        suffix += f"_piecewise-{args.piecewise_cuda_graph_max_tokens}"
     path = result_path(args.out, f"mixed-step_{model}{suffix}", hw)
     record = dict(
         benchmark="mixed_step",
@@ -220,6 +292,7 @@ def main() -> None:
             prompt_len=args.prompt_len,
             steps=args.steps,
             piecewise_cuda_graph=args.piecewise_cuda_graph,
+            piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
         ),
         rows=rows,
     )

@@ -173,14 +173,25 @@ class ModelRunner:
         budget = psutil.virtual_memory().available * (1 - self.config.mem_fraction_static)
         return int(min(budget // bytes_per_token, self.config.cpu_max_total_tokens))
 
+    def _uses_piecewise_graphs(self) -> bool:
+        return (
+            self.device.type == "cuda"
+            and self.config.enable_piecewise_cuda_graph
+            and not self.config.disable_cuda_graph
+            and self.tp is None
+        )
+
     def activation_bytes(self) -> int:
         """Estimate of the peak activation memory of one forward (bytes): the largest prefill batch's
         per-token tensors (qkv, ~6 hidden-sized temporaries, gate/up and its product) plus the logits and
-        sampler temporaries of a full decode batch, plus GPU_FIXED_RESERVE."""
+        sampler temporaries of a full decode batch, plus GPU_FIXED_RESERVE. Piecewise CUDA graphs hold
+        their own pool and buffers for the largest piecewise step besides (the same per-token tensors)."""
         cfg, m = self.model_config, self.model
         elem = torch.empty((), dtype=self.dtype).element_size()
         chunk = self.config.chunked_prefill_size
         tokens = max(self.config.max_prefill_tokens, chunk if chunk > 0 else 0)
+        if self._uses_piecewise_graphs():
+            tokens += self.config.piecewise_cuda_graph_max_tokens
         per_token = (
             (m.num_heads + 2 * m.num_kv_heads) * m.head_dim + 6 * cfg.hidden_size + 3 * cfg.intermediate_size
         ) * elem
@@ -252,12 +263,7 @@ class ModelRunner:
 
         self.piecewise_runner = None
         """Runs prefill and mixed steps of up to piecewise_cuda_graph_max_tokens tokens (piecewise_graph.py)."""
-        if (
-            self.device.type == "cuda"
-            and self.config.enable_piecewise_cuda_graph
-            and not self.config.disable_cuda_graph
-            and self.tp is None
-        ):
+        if self._uses_piecewise_graphs():
             from engine.runner.piecewise_graph import PiecewiseGraphRunner  # noqa: PLC0415
 
             self.piecewise_runner = PiecewiseGraphRunner(

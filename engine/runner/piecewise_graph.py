@@ -42,12 +42,13 @@ logger = logging.getLogger(__name__)
 
 def token_buckets(max_tokens: int) -> List[int]:
     """The padded step sizes, ending at `max_tokens` (at least 8): steps of 8 up to 32, of 16 up to 128, of 32
-    up to 256 and of 64 beyond; padding adds under a quarter to a step of more than 64 tokens."""
+    up to 256, of 64 up to 1024 and of 128 beyond; padding adds under a quarter to a step of more than 64
+    tokens."""
     top = max(8, max_tokens)
     sizes, t = [], 8
     while t < top:
         sizes.append(t)
-        t += 8 if t < 32 else 16 if t < 128 else 32 if t < 256 else 64
+        t += 8 if t < 32 else 16 if t < 128 else 32 if t < 256 else 64 if t < 1024 else 128
     return sizes + [top]
 
 

@@ -78,6 +78,7 @@ def test_token_buckets():
     assert token_buckets(512) == [8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512]
     assert token_buckets(1) == [8] and token_buckets(100)[-2:] == [96, 100]
     sizes = token_buckets(2048)
+    assert sizes[-3:] == [1792, 1920, 2048] and len(sizes) == 34
     assert all(b - a <= max(8, a // 4) for a, b in zip(sizes, sizes[1:]) if a >= 64)
 
 
