@@ -244,7 +244,9 @@ class ModelRunner:
         self.attn_backend_name = name
         m = self.model
         args = (self.req_to_token_pool.req_to_token, self.kv_pool, m.num_heads, m.num_kv_heads, m.head_dim)
-        self.attn_backend = get_backend_class(name)(*args, m.head_dim**-0.5)
+        # FlashInfer's mixed steps attend their decode rows with the Triton decode kernels unless those are off.
+        extra = {"triton_decode_rows": self.config.triton_decode_max_bs > 0} if name == "flashinfer" else {}
+        self.attn_backend = get_backend_class(name)(*args, m.head_dim**-0.5, **extra)
         self.triton_decode_backend = None
         """The Triton backend for decode steps of up to `triton_decode_max_bs` requests when the main backend is
         FlashInfer (see decode_backend); None: the main backend runs every step."""

@@ -13,6 +13,12 @@ K/V tensors it is given (its paged_kv_t takes a page stride and computes offsets
                                     new tokens], the query rows aligned to the end of each request's KV
                             DECODE  BatchDecodeWithPagedKVCacheWrapper.run
 
+A mixed step (EXTEND) leads with the running requests' decode tokens: one new token each. FlashInfer's
+prefill kernel gives each request a whole tile of query rows, so those one-token requests would cost it a
+tile each while reading their whole KV; instead the batch's leading run of one-token requests goes to
+radixserve's Triton decode kernels (kernels/triton/decode_attention.py, the decode step's own kernels) and
+only the requests after it are planned for the prefill wrapper. The two write disjoint rows of the output.
+
 CUDA graphs: one decode wrapper per captured batch size, in FlashInfer's CUDA-graph mode (fixed indptr /
 last-page-len buffers and one shared indices buffer); capture plans it with plan(), replay re-plans it with
 the real lengths through fast_decode_plan (no Python-side checks, no extra copies).
@@ -46,13 +52,29 @@ class _GraphState:
     """(bs,) int32, host — the same ones, for the planner."""
 
 
+@dataclass
+class _DecodeRows:
+    """The leading one-token requests of an EXTEND batch, attended by the Triton decode kernels."""
+
+    count: int
+    """Requests (= query rows) [0, count) of the batch."""
+    num_splits: int
+    """KV splits per request of the decode kernel's stage 1."""
+    mid_o: torch.Tensor
+    """(count, H, num_splits, D) float32, device — stage-1 partial outputs."""
+    mid_lse: torch.Tensor
+    """(count, H, num_splits) float32, device — stage-1 log2-sum-exp."""
+
+
 class FlashInferAttnBackend(AttentionBackend):
-    """See AttentionBackend for the shapes of `forward`."""
+    """See AttentionBackend for the shapes of `forward`. `triton_decode_rows`: a mixed step's leading one-token
+    requests run the Triton decode kernels (False: FlashInfer's prefill kernel runs every request)."""
 
     supports_cuda_graph = True
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, triton_decode_rows: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
+        self.triton_decode_rows = triton_decode_rows
         import flashinfer  # noqa: PLC0415
 
         self._fi = flashinfer
@@ -77,6 +99,9 @@ class FlashInferAttnBackend(AttentionBackend):
         self._active_decode = self.decode_wrapper
         self._graphs: Dict[int, _GraphState] = {}
         self._graph_indices: Optional[torch.Tensor] = None
+        self._decode_rows: Optional[_DecodeRows] = None
+        self._prefill_rows = 0
+        """EXTEND: requests after the decode rows planned on the prefill wrapper (0: none)."""
 
     def _new_decode_wrapper(self, graph: Optional[_GraphState] = None, indices: Optional[torch.Tensor] = None):
         kwargs = dict(use_tensor_cores=self.decode_tensor_cores, backend="fa2")
@@ -90,26 +115,26 @@ class FlashInferAttnBackend(AttentionBackend):
         return self._fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", **kwargs)
 
     # ---- metadata ----------------------------------------------------------------------------
-    def _kv_indices(
-        self, batch: ForwardBatchLike, kv_indptr_host: torch.Tensor, out: Optional[torch.Tensor] = None
-    ) -> torch.Tensor:
+    def _kv_indices(self, batch: ForwardBatchLike, kv_indptr_host: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """KV slots of requests [first, bs) of `batch`, laid out by `kv_indptr_host` (their lengths' cumsum)."""
         from kernels.triton.fused_layers import build_kv_indices  # noqa: PLC0415
 
         total = int(kv_indptr_host[-1])
-        if out is None:
-            out = torch.empty(max(total, 1), dtype=torch.int32, device=self.device)
+        out = torch.empty(max(total, 1), dtype=torch.int32, device=self.device)
         indptr = kv_indptr_host.to(self.device, non_blocking=True)
-        return build_kv_indices(self.req_to_token, batch.req_pool_indices, batch.seq_lens, indptr, out)[:total]
+        rows, lens = batch.req_pool_indices[first:], batch.seq_lens[first:]
+        return build_kv_indices(self.req_to_token, rows, lens, indptr, out)[:total]
 
     def _plan_kwargs(self) -> dict:
         return dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
 
     def init_forward_metadata(self, batch: ForwardBatchLike) -> None:
         bs = batch.batch_size
-        kv_indptr = _indptr(batch.seq_lens_cpu)
-        kv_indices = self._kv_indices(batch, kv_indptr)
-        last_page_len = torch.ones(bs, dtype=torch.int32)
+        self._decode_rows, self._prefill_rows = None, 0
         if _is_decode(batch):
+            kv_indptr = _indptr(batch.seq_lens_cpu)
+            kv_indices = self._kv_indices(batch, kv_indptr)
+            last_page_len = torch.ones(bs, dtype=torch.int32)
             self.decode_wrapper.plan(
                 kv_indptr,
                 kv_indices,
@@ -122,21 +147,37 @@ class FlashInferAttnBackend(AttentionBackend):
             )
             self._mode, self._active_decode = "decode", self.decode_wrapper
         else:
-            qo_indptr = _indptr(batch.extend_seq_lens_cpu)
-            self.prefill_wrapper.plan(
-                qo_indptr,
-                kv_indptr,
-                kv_indices,
-                last_page_len,
-                self.num_heads,
-                self.num_kv_heads,
-                self.head_dim,
-                1,
-                causal=True,
-                **self._plan_kwargs(),
-            )
+            first = _leading_one_token_requests(batch.extend_seq_lens_cpu) if self.triton_decode_rows else 0
+            if first:
+                self._decode_rows = self._plan_decode_rows(batch, first)
+            if first < bs:
+                self._plan_prefill(batch, first)
             self._mode = "extend"
         self._meta_batch = batch
+
+    def _plan_decode_rows(self, batch: ForwardBatchLike, count: int) -> _DecodeRows:
+        from kernels.triton import decode_attention as dec  # noqa: PLC0415
+
+        splits = dec.pick_num_kv_splits(count, self.num_kv_heads, max(batch.seq_lens_cpu[:count]), self.device)
+        mid_o, mid_lse = dec.alloc_decode_scratch(count, self.num_heads, self.head_dim, splits, self.device)
+        return _DecodeRows(count, splits, mid_o, mid_lse)
+
+    def _plan_prefill(self, batch: ForwardBatchLike, first: int) -> None:
+        """Plan the prefill wrapper on requests [first, bs) of `batch`."""
+        kv_indptr = _indptr(batch.seq_lens_cpu[first:])
+        self.prefill_wrapper.plan(
+            _indptr(batch.extend_seq_lens_cpu[first:]),
+            kv_indptr,
+            self._kv_indices(batch, kv_indptr, first),
+            torch.ones(batch.batch_size - first, dtype=torch.int32),
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            1,
+            causal=True,
+            **self._plan_kwargs(),
+        )
+        self._prefill_rows = batch.batch_size - first
 
     def init_forward_metadata_capture(self, batch: ForwardBatchLike) -> None:
         """A CUDA-graph decode wrapper for batch.batch_size, planned on the batch's current lengths."""
@@ -225,7 +266,29 @@ class FlashInferAttnBackend(AttentionBackend):
             return torch.empty_like(q)
         if self._mode == "decode":
             return self._active_decode.run(q, cache)
-        return self.prefill_wrapper.run(q, cache)
+        rows = self._decode_rows
+        if rows is None:
+            return self.prefill_wrapper.run(q, cache)
+        out = torch.empty_like(q)
+        n = rows.count
+        if self._prefill_rows:
+            self.prefill_wrapper.run(q[n:], cache, out=out[n:])
+        from kernels.triton.decode_attention import decode_attention  # noqa: PLC0415
+
+        decode_attention(
+            q[:n],
+            k_buf,
+            v_buf,
+            out[:n],
+            self.req_to_token,
+            batch.req_pool_indices[:n],
+            batch.seq_lens[:n],
+            self.scale,
+            rows.num_splits,
+            rows.mid_o,
+            rows.mid_lse,
+        )
+        return out
 
 
 def _indptr(lengths: List[int]) -> torch.Tensor:
@@ -234,6 +297,14 @@ def _indptr(lengths: List[int]) -> torch.Tensor:
     if lengths:
         torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0, out=out[1:])
     return out
+
+
+def _leading_one_token_requests(extend_lens: List[int]) -> int:
+    """How many requests at the head of an EXTEND batch add exactly one token (its decode rows)."""
+    for i, n in enumerate(extend_lens):
+        if n != 1:
+            return i
+    return len(extend_lens)
 
 
 def _is_decode(batch: ForwardBatchLike) -> bool:

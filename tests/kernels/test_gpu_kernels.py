@@ -111,6 +111,17 @@ def test_build_kv_indices():
 # ------------------------------------------------------------------------------------ FlashInfer (GPU)
 
 
+def test_flashinfer_mixed_step_split():
+    """The leading one-token requests of an EXTEND batch go to the decode kernels; the rest to the prefill
+    wrapper (a one-token request after a prompt stays with the prefill wrapper)."""
+    from kernels.attention.flashinfer import _leading_one_token_requests
+
+    assert _leading_one_token_requests([1, 1, 1000, 1]) == 2
+    assert _leading_one_token_requests([1, 1]) == 2
+    assert _leading_one_token_requests([7, 1]) == 0
+    assert _leading_one_token_requests([]) == 0
+
+
 def _flashinfer_or_skip():
     if not GPU:
         pytest.skip("needs a CUDA device")
@@ -124,8 +135,12 @@ def _flashinfer_or_skip():
     "mode,seq_lens,prefix_lens",
     [
         (ForwardMode.EXTEND, [1000, 70, 2500, 9], [0, 64, 2000, 8]),  # plain prefill, cached prefixes, 1 new token
+        # a mixed step: decode rows first (Triton decode kernels), then prompts and a one-token chunk (prefill)
+        (ForwardMode.EXTEND, [2049, 1, 777, 1000, 70, 5], [2048, 0, 776, 0, 64, 4]),
+        (ForwardMode.EXTEND, [300, 1, 4097], [299, 0, 4096]),  # one-token requests only
         (ForwardMode.DECODE, [4096, 1, 777, 2049], [4095, 0, 776, 2048]),
     ],
+    ids=["extend", "mixed", "extend-one-token", "decode"],
 )
 def test_gpu_flashinfer_matches_torch_native(dtype, heads, kv_heads, head_dim, mode, seq_lens, prefix_lens):
     _flashinfer_or_skip()
@@ -144,8 +159,10 @@ def test_gpu_flashinfer_matches_torch_native(dtype, heads, kv_heads, head_dim, m
     "mode,seq_lens,prefix_lens",
     [
         (ForwardMode.EXTEND, [1000, 70, 9], [0, 64, 8]),
+        (ForwardMode.EXTEND, [2049, 777, 1000], [2048, 776, 0]),
         (ForwardMode.DECODE, [2049, 1, 777], [2048, 0, 776]),
     ],
+    ids=["extend", "mixed", "decode"],
 )
 def test_gpu_backends_address_a_large_token_major_pool(name, mode, seq_lens, prefix_lens):
     """Llama-3.1-8B's pool shape (32 layers, 8 KV heads × 128, bf16: 65,536 elements per slot) with the data
