@@ -20,8 +20,9 @@ import asyncio
 import random
 import threading
 import uuid
+from collections import deque
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Deque, Dict, List, Optional, Sequence, Union
 
 from engine.config import EngineConfig
 from engine.core.messages import AbortRequest, AddRequest, CompleteReceive, ReleaseSent
@@ -118,6 +119,11 @@ class _Collector:
         return [_merge(i, outs) for i, outs in enumerate(self.outputs)]
 
 
+def _same_choice(item: Any, out: StreamOutput) -> bool:
+    """Whether queued `item` is the next output of `out`'s choice."""
+    return isinstance(item, StreamOutput) and item.index == out.index
+
+
 def _merge(index: int, outs: List[StreamOutput]) -> GenerateOutput:
     last = outs[-1]
     logprobs = [lp for o in outs for lp in (o.logprobs or [])]
@@ -195,9 +201,14 @@ class Engine:
         sampling_params: Any = None,
         rid: Optional[str] = None,
         remote_prefill: Optional[RemotePrefill] = None,
+        coalesce: bool = False,
     ) -> AsyncIterator[StreamOutput]:
         """Yield StreamOutputs (one per engine step with news, per choice) until every choice finishes.
         Cancelling the iterator (client disconnect) aborts the request and frees its pages.
+
+        `coalesce`: when the consumer falls behind, the outputs of one choice that are already waiting, one
+        after the other, are yielded as one (StreamOutput.then), so a slow consumer (a loaded HTTP server)
+        handles fewer, larger deltas instead of falling further behind; tokens, text and finish are the same.
 
         `remote_prefill` (disaggregation, the handoff's receiver; n must be 1): the prompt is not computed here.
         Once destination pages are reserved, `await remote_prefill(reservation)` must fill them (a
@@ -218,15 +229,22 @@ class Engine:
             handoff="receiver" if remote_prefill is not None else None,
         )
         pending = params.n
+        ready: Deque[Any] = deque()
         try:
             while pending:
-                item = await queue.get()
+                if not ready:
+                    ready.append(await queue.get())
+                while not queue.empty():
+                    ready.append(queue.get_nowait())
+                item = ready.popleft()
                 if isinstance(item, BaseException):
                     raise item
                 if not isinstance(item, StreamOutput):  # the KVReservation of a remote prefill
                     handoff = await remote_prefill(item)
                     self.core.send(CompleteReceive(group.rid, handoff))
                     continue
+                while coalesce and item.finish_reason is None and ready and _same_choice(ready[0], item):
+                    item = item.then(ready.popleft())
                 pending -= item.finish_reason is not None
                 yield item
         finally:

@@ -93,6 +93,28 @@ class StreamOutput:
     prompt_logprobs: Optional[List[TokenLogprob]] = None
     """On the first output only, when sampling_params.prompt_logprobs is set."""
 
+    def then(self, later: "StreamOutput") -> "StreamOutput":
+        """This output followed by `later` (the next output of the same choice) as one output: the tokens,
+        text and logprobs of both in order; the finish, stop and counts of `later`."""
+        logprobs = (
+            None
+            if self.logprobs is None and later.logprobs is None
+            else [*(self.logprobs or []), *(later.logprobs or [])]
+        )
+        return StreamOutput(
+            self.rid,
+            self.index,
+            self.new_token_ids + later.new_token_ids,
+            self.text + later.text,
+            logprobs,
+            later.finish_reason,
+            later.matched_stop,
+            later.prompt_tokens,
+            later.cached_tokens,
+            later.completion_tokens,
+            self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
+        )
+
     def __reduce__(self):
         # A cluster worker sends one of these per request per engine step: pickled as a positional tuple.
         return (

@@ -5,8 +5,8 @@ ids. `EngineBackend` runs one in-process `engine.Engine` (the single-node server
 ingress implements the same base with a router in front of remote workers.
 
 Contract of `generate_stream(input_ids, params, rid)`:
-- yields `engine.StreamOutput`s (per step, per choice `index` in [0, params.n)) until every
-  choice has a `finish_reason`;
+- yields `engine.StreamOutput`s (per step, per choice `index` in [0, params.n); outputs of one choice
+  that waited for a slow consumer may come as one) until every choice has a `finish_reason`;
 - raises `engine.errors.InvalidRequestError` / `QueueFullError` before the first output when
   the request is rejected;
 - when the consumer stops early (closes or cancels the iterator), the request is aborted and
@@ -89,7 +89,8 @@ class EngineBackend(ServingBackend):
         return self.engine.config.admission_limit
 
     def generate_stream(self, input_ids: List[int], params: SamplingParams, rid: str) -> AsyncIterator[Any]:
-        return self.engine.generate_stream(input_ids, params, rid=rid)
+        # A server behind on its streams sends what waits for a choice as one delta (Engine.generate_stream).
+        return self.engine.generate_stream(input_ids, params, rid=rid, coalesce=True)
 
     def abort(self, rid: str) -> None:
         self.engine.abort(rid)

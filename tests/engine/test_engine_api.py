@@ -119,6 +119,36 @@ def test_stream_matches_generate(default_engine):
     assert chunks[-1].finish_reason == full.finish_reason and chunks[-1].completion_tokens == full.completion_tokens
 
 
+@pytest.mark.parametrize("coalesce", [False, True])
+def test_stream_coalesces_what_waits_for_a_slow_consumer(default_engine, coalesce):
+    """A consumer that takes the first output, then returns only after the request ended: with `coalesce`
+    the outputs that waited come as one (tokens, text, logprobs in order; the last one's finish and
+    counts), without it one per step; the concatenation is generate's result either way."""
+    params = dict(temperature=0, max_new_tokens=24, ignore_eos=True, logprobs=True)
+    full = default_engine.generate(PROMPT, params)
+
+    async def slow():
+        stream = default_engine.generate_stream(PROMPT, params, coalesce=coalesce)
+        first = await stream.__anext__()
+        for _ in range(400):  # the core finishes the request meanwhile; its outputs wait in the stream
+            stats = await default_engine.stats_async()
+            if stats.running == 0 and stats.waiting == 0:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)
+        return [first] + [out async for out in stream]
+
+    chunks = asyncio.run(slow())
+    rest = chunks[1:]
+    assert len(rest) == 1 if coalesce else len(rest) > 1
+    assert sum((c.new_token_ids for c in chunks), []) == full.token_ids
+    assert "".join(c.text for c in chunks) == full.text
+    assert [lp.token_id for c in chunks for lp in c.logprobs] == full.token_ids
+    assert chunks[-1].finish_reason == "length" and chunks[-1].completion_tokens == 24
+    assert all(c.finish_reason is None for c in chunks[:-1])
+    assert_no_leak(default_engine)
+
+
 @pytest.mark.parametrize(
     "bad, param",
     [
