@@ -35,6 +35,7 @@ from typing import Dict, List, Optional
 import torch
 
 from kernels.attention.base import AttentionBackend, ForwardBatchLike
+from kernels.attention.triton import DecodeMeta, plan_decode, run_decode
 
 WORKSPACE_BYTES = 256 << 20
 """FlashInfer's float workspace (split-KV partial results), shared by every wrapper of one backend."""
@@ -50,20 +51,6 @@ class _GraphState:
     """(bs,) int32, device — all ones (page size 1)."""
     last_page_len_host: torch.Tensor
     """(bs,) int32, host — the same ones, for the planner."""
-
-
-@dataclass
-class _DecodeRows:
-    """The leading one-token requests of an EXTEND batch, attended by the Triton decode kernels."""
-
-    count: int
-    """Requests (= query rows) [0, count) of the batch."""
-    num_splits: int
-    """KV splits per request of the decode kernel's stage 1."""
-    mid_o: torch.Tensor
-    """(count, H, num_splits, D) float32, device — stage-1 partial outputs."""
-    mid_lse: torch.Tensor
-    """(count, H, num_splits) float32, device — stage-1 log2-sum-exp."""
 
 
 class FlashInferAttnBackend(AttentionBackend):
@@ -99,9 +86,9 @@ class FlashInferAttnBackend(AttentionBackend):
         self._active_decode = self.decode_wrapper
         self._graphs: Dict[int, _GraphState] = {}
         self._graph_indices: Optional[torch.Tensor] = None
-        self._decode_rows: Optional[_DecodeRows] = None
-        self._prefill_rows = 0
-        """EXTEND: requests after the decode rows planned on the prefill wrapper (0: none)."""
+        self._decode_rows = 0
+        """EXTEND: the leading one-token requests run by the Triton decode kernels (0: none), with _decode_meta."""
+        self._decode_meta: Optional[DecodeMeta] = None
 
     def _new_decode_wrapper(self, graph: Optional[_GraphState] = None, indices: Optional[torch.Tensor] = None):
         kwargs = dict(use_tensor_cores=self.decode_tensor_cores, backend="fa2")
@@ -130,7 +117,7 @@ class FlashInferAttnBackend(AttentionBackend):
 
     def init_forward_metadata(self, batch: ForwardBatchLike) -> None:
         bs = batch.batch_size
-        self._decode_rows, self._prefill_rows = None, 0
+        self._decode_rows, self._decode_meta = 0, None
         if _is_decode(batch):
             kv_indptr = _indptr(batch.seq_lens_cpu)
             kv_indices = self._kv_indices(batch, kv_indptr)
@@ -149,18 +136,12 @@ class FlashInferAttnBackend(AttentionBackend):
         else:
             first = _leading_one_token_requests(batch.extend_seq_lens_cpu) if self.triton_decode_rows else 0
             if first:
-                self._decode_rows = self._plan_decode_rows(batch, first)
+                args = (self.num_heads, self.num_kv_heads, self.head_dim, max(batch.seq_lens_cpu[:first]), self.device)
+                self._decode_rows, self._decode_meta = first, plan_decode(first, first, *args)
             if first < bs:
                 self._plan_prefill(batch, first)
             self._mode = "extend"
         self._meta_batch = batch
-
-    def _plan_decode_rows(self, batch: ForwardBatchLike, count: int) -> _DecodeRows:
-        from kernels.triton import decode_attention as dec  # noqa: PLC0415
-
-        splits = dec.pick_num_kv_splits(count, self.num_kv_heads, max(batch.seq_lens_cpu[:count]), self.device)
-        mid_o, mid_lse = dec.alloc_decode_scratch(count, self.num_heads, self.head_dim, splits, self.device)
-        return _DecodeRows(count, splits, mid_o, mid_lse)
 
     def _plan_prefill(self, batch: ForwardBatchLike, first: int) -> None:
         """Plan the prefill wrapper on requests [first, bs) of `batch`."""
@@ -177,7 +158,6 @@ class FlashInferAttnBackend(AttentionBackend):
             causal=True,
             **self._plan_kwargs(),
         )
-        self._prefill_rows = batch.batch_size - first
 
     def init_forward_metadata_capture(self, batch: ForwardBatchLike) -> None:
         """A CUDA-graph decode wrapper for batch.batch_size, planned on the batch's current lengths."""
@@ -266,28 +246,14 @@ class FlashInferAttnBackend(AttentionBackend):
             return torch.empty_like(q)
         if self._mode == "decode":
             return self._active_decode.run(q, cache)
-        rows = self._decode_rows
-        if rows is None:
+        n = self._decode_rows
+        if not n:
             return self.prefill_wrapper.run(q, cache)
         out = torch.empty_like(q)
-        n = rows.count
-        if self._prefill_rows:
+        if n < batch.batch_size:
             self.prefill_wrapper.run(q[n:], cache, out=out[n:])
-        from kernels.triton.decode_attention import decode_attention  # noqa: PLC0415
-
-        decode_attention(
-            q[:n],
-            k_buf,
-            v_buf,
-            out[:n],
-            self.req_to_token,
-            batch.req_pool_indices[:n],
-            batch.seq_lens[:n],
-            self.scale,
-            rows.num_splits,
-            rows.mid_o,
-            rows.mid_lse,
-        )
+        rows = (batch.req_pool_indices[:n], batch.seq_lens[:n])
+        run_decode(self._decode_meta, q[:n], k_buf, v_buf, out[:n], self.req_to_token, *rows, self.scale)
         return out
 
 

@@ -21,13 +21,53 @@ from kernels.attention.base import AttentionBackend, ForwardBatchLike
 
 
 @dataclass
-class _DecodeMeta:
+class DecodeMeta:
+    """What the Triton decode kernels need besides the batch: sized on the host, shared by every layer (also
+    by FlashInfer's mixed steps for their decode rows, kernels/attention/flashinfer.py)."""
+
     num_splits: int
     """KV splits per request (stage-1 grid dim 3)."""
     mid_o: torch.Tensor
     """(bs, H, num_splits, D) float32, device — per-split normalized partial outputs."""
     mid_lse: torch.Tensor
     """(bs, H, num_splits) float32, device — per-split log2-sum-exp."""
+
+
+def plan_decode(
+    bs: int,
+    split_bs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_len: int,
+    device: torch.device,
+    num_splits: Optional[int] = None,
+) -> DecodeMeta:
+    """Split count (`num_splits`, else the heuristic's for `split_bs` requests of at most `max_len` tokens)
+    and scratch for a decode of `bs` requests."""
+    from kernels.triton import decode_attention as dec
+
+    splits = num_splits or dec.pick_num_kv_splits(split_bs, num_kv_heads, max_len, device)
+    return DecodeMeta(splits, *dec.alloc_decode_scratch(bs, num_heads, head_dim, splits, device))
+
+
+def run_decode(
+    meta: DecodeMeta,
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    out: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """kernels.triton.decode_attention.decode_attention with `meta`'s splits and scratch: q (bs, H, D) -> out."""
+    from kernels.triton.decode_attention import decode_attention
+
+    return decode_attention(
+        q, k_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens, scale, meta.num_splits, meta.mid_o, meta.mid_lse
+    )
 
 
 @dataclass
@@ -48,21 +88,16 @@ class TritonAttnBackend(AttentionBackend):
             fix_interpreter_scalar_index()  # CPU means the Triton interpreter
         self.num_kv_splits = num_kv_splits
         self._meta_batch: Optional[ForwardBatchLike] = None
-        self._decode: Optional[_DecodeMeta] = None
+        self._decode: Optional[DecodeMeta] = None
         self._extend: Optional[_ExtendMeta] = None
 
     def init_forward_metadata(self, batch: ForwardBatchLike) -> None:
-        from kernels.triton import decode_attention as dec
-
         self._decode = self._extend = None
         if _is_decode(batch):
-            device = self.req_to_token.device
-            max_len = max(batch.seq_lens_cpu) if batch.batch_size else 0
-            splits = self.num_kv_splits or dec.pick_num_kv_splits(
-                _bucket(batch.batch_size), self.num_kv_heads, max_len, device
-            )
-            mid_o, mid_lse = dec.alloc_decode_scratch(batch.batch_size, self.num_heads, self.head_dim, splits, device)
-            self._decode = _DecodeMeta(splits, mid_o, mid_lse)
+            bs = batch.batch_size
+            max_len = max(batch.seq_lens_cpu) if bs else 0
+            args = (self.num_heads, self.num_kv_heads, self.head_dim, max_len, self.req_to_token.device)
+            self._decode = plan_decode(bs, _bucket(bs), *args, num_splits=self.num_kv_splits)
         else:
             self._extend = _ExtendMeta(max(batch.extend_seq_lens_cpu) if batch.batch_size else 0)
         self._meta_batch = batch
@@ -72,14 +107,10 @@ class TritonAttnBackend(AttentionBackend):
     def init_forward_metadata_capture(self, batch: ForwardBatchLike) -> None:
         """Decode metadata of a captured batch size: the split count for any context length (the kernel
         sizes its chunks from the device seq_lens) and scratch owned by this graph."""
-        from kernels.triton import decode_attention as dec
-
-        device = self.req_to_token.device
         bs = batch.batch_size
-        splits = self.num_kv_splits or dec.pick_num_kv_splits(_bucket(bs), self.num_kv_heads, 1 << 30, device)
-        mid_o, mid_lse = dec.alloc_decode_scratch(bs, self.num_heads, self.head_dim, splits, device)
+        args = (self.num_heads, self.num_kv_heads, self.head_dim, 1 << 30, self.req_to_token.device)
         self._graph_meta = getattr(self, "_graph_meta", {})
-        self._graph_meta[bs] = _DecodeMeta(splits, mid_o, mid_lse)
+        self._graph_meta[bs] = plan_decode(bs, _bucket(bs), *args, num_splits=self.num_kv_splits)
         self._decode, self._extend, self._meta_batch = self._graph_meta[bs], None, batch
 
     def init_forward_metadata_replay(self, batch: ForwardBatchLike) -> None:
@@ -99,22 +130,8 @@ class TritonAttnBackend(AttentionBackend):
         q = q if q.stride(-1) == 1 else q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if self._decode is not None:
-            from kernels.triton.decode_attention import decode_attention
-
-            meta = self._decode
-            return decode_attention(
-                q,
-                k_buf,
-                v_buf,
-                out,
-                self.req_to_token,
-                batch.req_pool_indices,
-                batch.seq_lens,
-                self.scale,
-                meta.num_splits,
-                meta.mid_o,
-                meta.mid_lse,
-            )
+            args = (self.req_to_token, batch.req_pool_indices, batch.seq_lens, self.scale)
+            return run_decode(self._decode, q, k_buf, v_buf, out, *args)
         from kernels.triton.extend_attention import extend_attention
 
         k = k if k.stride(-1) == 1 else k.contiguous()
