@@ -234,7 +234,7 @@ class Engine:
             while pending:
                 if not ready:
                     ready.append(await queue.get())
-                while not queue.empty():
+                while coalesce and not queue.empty():
                     ready.append(queue.get_nowait())
                 item = ready.popleft()
                 if isinstance(item, BaseException):
