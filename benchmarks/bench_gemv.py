@@ -11,10 +11,12 @@ Each variant runs as a CUDA graph of --calls back-to-back products over rotating
 (together >= 256 MiB, so no product finds its weight in the 50 MiB L2 as a real step would not), timed with
 CUDA events, best of --repeats. Reported: microseconds per product and the weight bytes over that time as a
 fraction of the device-to-device copy bandwidth (bytes read + written) measured first in this process, the
-denominator of bench_decode's roofline. --sweep also times every tile of a grid for each shape and M.
+denominator of bench_decode's roofline. --sweep also times every tile of a grid for each shape and M, PDL
+on and off; the grid's kernels are compiled first by --jobs processes.
 
   python benchmarks/bench_gemv.py --config benchmarks/configs/llama-3.1-8b.json [--rows 1 2 4 8 16] [--sweep]
       [--tensor-parallel-size 2]   (one rank's share of each weight)
+  python benchmarks/bench_gemv.py --rows 8 --sweep --jobs 15 --weights qkv o
 """
 
 from __future__ import annotations
@@ -50,6 +52,58 @@ def decode_shapes(cfg: Dict, tp: int = 1) -> Dict[str, tuple]:
     }
 
 
+def sweep_tiles(m: int, n: int, k: int) -> list:
+    """The tile grid --sweep times for M rows of an (n, k) weight: GemvConfig (one row) or RowsConfig tuples
+    that fit the shape."""
+    import triton
+
+    from kernels.triton.gemv import GemvConfig, RowsConfig
+
+    if m == 1:
+        return [
+            GemvConfig(bn, bk, warps)
+            for bn, bk, warps in itertools.product((4, 8, 16, 32), (256, 512, 1024), (2, 4, 8))
+            if bn * bk <= 16384
+        ]
+    return [
+        RowsConfig(bn, bk, warps, stages, split)
+        for bn, bk, warps, stages, split in itertools.product(
+            (16, 32, 64, 128), (128, 256, 512), (4,), (1, 3, 4), (1, 2, 4, 8)
+        )
+        if k % (split * bk) == 0 and triton.cdiv(n, bn) * split <= 4096
+    ]
+
+
+def _compile_tiles(n: int, k: int, m: int, tiles: list) -> int:
+    """Run (and so compile into Triton's on-disk cache) gemv for every tile, in a worker process: the timing
+    process then finds each kernel compiled. Returns how many tiles could not be built (out of resources)."""
+    import torch
+
+    from kernels.triton.gemv import gemv
+
+    w = torch.zeros(n, k, device="cuda", dtype=torch.bfloat16)
+    x = torch.zeros(m, k, device="cuda", dtype=torch.bfloat16)
+    failed = 0
+    for c in tiles:
+        try:
+            gemv(x, w, config=c)
+        except Exception:  # noqa: BLE001  (a tile the compiler or the SM cannot hold is skipped by the sweep)
+            failed += 1
+    torch.cuda.synchronize()
+    return failed
+
+
+def precompile(jobs: int, work: list) -> None:
+    """Compile every (n, k, m, tiles) of `work` in `jobs` spawned processes, the tiles dealt round-robin."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    chunks = [(n, k, m, tiles[i::jobs]) for n, k, m, tiles in work for i in range(jobs) if tiles[i::jobs]]
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        failed = sum(pool.map(_compile_tiles, *zip(*chunks)))
+    print(f"compiled {sum(len(t) for *_, t in work)} tiles in {jobs} processes ({failed} could not be built)")
+
+
 def time_graph(fn: Callable[[int], None], calls: int, repeats: int) -> float:
     """Seconds per call of fn(i) (i = call index), as a captured CUDA graph of `calls` calls; best of `repeats`."""
     import torch
@@ -83,6 +137,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--rows", type=int, nargs="+", default=[1], help="rows of x (batch sizes), 1 to MAX_ROWS")
     p.add_argument("--sweep", action="store_true", help="also time a grid of tile shapes per weight and M")
+    p.add_argument("--weights", nargs="+", default=None, help="only these weights (qkv o gate_up down lm_head)")
+    p.add_argument("--jobs", type=int, default=8, help="--sweep: processes that compile the grid's kernels first")
     p.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="the weights as one rank of this many holds them"
     )
@@ -91,7 +147,6 @@ def main() -> None:
 
     import torch
     import torch.nn.functional as F
-    import triton
 
     if not torch.cuda.is_available():
         sys.exit("bench_gemv needs a CUDA device")
@@ -99,7 +154,7 @@ def main() -> None:
     from bench_offline import hardware, result_path
 
     from kernels.triton import pdl
-    from kernels.triton.gemv import MAX_ROWS, GemvConfig, RowsConfig, gemv, pick_config, pick_rows_config
+    from kernels.triton.gemv import MAX_ROWS, gemv, pick_config, pick_rows_config
 
     if not all(1 <= m <= MAX_ROWS for m in args.rows):
         sys.exit(f"--rows: 1 to {MAX_ROWS}")
@@ -108,9 +163,17 @@ def main() -> None:
     bandwidth = copy_bandwidth(device)
     with open(args.config) as f:
         cfg = json.load(f)
+    shapes = decode_shapes(cfg, args.tensor_parallel_size)
+    if args.weights:
+        unknown = set(args.weights) - set(shapes)
+        if unknown:
+            sys.exit(f"--weights: unknown {sorted(unknown)}; choose from {list(shapes)}")
+        shapes = {name: shape for name, shape in shapes.items() if name in args.weights}
+    if args.sweep and args.jobs > 0:
+        precompile(args.jobs, [(n, k, m, sweep_tiles(m, n, k)) for n, k in shapes.values() for m in args.rows])
     rows: List[Dict] = []
     sweeps: Dict[str, List[Dict]] = {}
-    for name, (n, k) in decode_shapes(cfg, args.tensor_parallel_size).items():
+    for name, (n, k) in shapes.items():
         nbytes = n * k * 2
         copies = max(2, -(-(256 << 20) // nbytes))
         ws = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * k**-0.5 for _ in range(copies)]
@@ -139,23 +202,13 @@ def main() -> None:
             rows.append(row)
             if args.sweep:
                 grid = []
-                if m == 1:
-                    tiles = [
-                        GemvConfig(bn, bk, warps)
-                        for bn, bk, warps in itertools.product((4, 8, 16, 32), (256, 512, 1024), (2, 4, 8))
-                        if bn * bk <= 16384
-                    ]
-                else:
-                    tiles = [
-                        RowsConfig(bn, bk, warps, stages, split)
-                        for bn, bk, warps, stages, split in itertools.product(
-                            (16, 32, 64, 128), (128, 256, 512), (4,), (1, 3, 4), (1, 2, 4, 8)
-                        )
-                        if k % (split * bk) == 0 and triton.cdiv(n, bn) * split <= 4096
-                    ]
+                tiles = sweep_tiles(m, n, k)
                 for c in tiles:
                     for pdl_on in (True, False):
-                        sec = run(lambda w, c=c, x=x: gemv(x, w, config=c), pdl_on)
+                        try:
+                            sec = run(lambda w, c=c, x=x: gemv(x, w, config=c), pdl_on)
+                        except Exception:  # noqa: BLE001  (a tile too large for the SM: not a candidate)
+                            continue
                         grid.append(dict(c._asdict(), pdl=pdl_on, us=sec * 1e6, of_copy_bw=nbytes / sec / bandwidth))
                 grid.sort(key=lambda r: r["us"])
                 sweeps[f"{name}_m{m}"] = grid
