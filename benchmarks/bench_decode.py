@@ -326,13 +326,6 @@ def main() -> None:
         "--disable-pdl", action="store_true", help="EngineConfig.disable_pdl: no programmatic dependent launch"
     )
     p.add_argument(
-        "--decode-blas-library",
-        choices=("cublas", "cublaslt"),
-        default=ENGINE_DEFAULTS.decode_blas_library,
-        help="EngineConfig.decode_blas_library (default: the engine's): the library of decode matmuls above "
-        "--gemv-max-rows rows",
-    )
-    p.add_argument(
         "--engine-tpot",
         action="store_true",
         help="also measure an Engine's batch-1 time per output token (as the vLLM peer measures it)",
@@ -367,7 +360,6 @@ def main() -> None:
         gemv_max_rows=args.gemv_max_rows,
         disable_pdl=args.disable_pdl,
         triton_decode_max_bs=args.triton_decode_max_bs,
-        decode_blas_library=args.decode_blas_library,
     )
     start = time.perf_counter()
     bench = DecodeBench(
@@ -430,7 +422,7 @@ def main() -> None:
         f"{hw.get('gpu')}; attention {backend_name} (Triton decode up to batch {args.triton_decode_max_bs}), "
         f"CUDA graphs {'on' if graphs_on else 'off'}, GEMV "
         f"{'off' if args.disable_gemv else f'up to {args.gemv_max_rows} rows'}, "
-        f"PDL {'off' if args.disable_pdl else 'on'}, decode matmuls {args.decode_blas_library}; copy bandwidth "
+        f"PDL {'off' if args.disable_pdl else 'on'}; copy bandwidth "
         f"{bandwidth / 1e9:.0f} GB/s"
     )
     cols = [
@@ -468,7 +460,6 @@ def main() -> None:
                 gemv=not args.disable_gemv,
                 gemv_max_rows=0 if args.disable_gemv else args.gemv_max_rows,
                 pdl=not args.disable_pdl,
-                decode_blas_library=args.decode_blas_library,
                 startup_s=startup,
                 results=rows,
                 engine_tpot=tpot,

@@ -12,7 +12,6 @@ LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
 SchedulePolicy = Literal["lpm", "fcfs"]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "flashinfer", "triton", "torch_native")
-BLAS_LIBRARIES = ("cublas", "cublaslt")
 
 
 @dataclass(frozen=True)
@@ -110,16 +109,6 @@ class EngineConfig:
                 " kernels instead: they read the KV pool faster than FlashInfer's decode kernel, need no"
                 " host-side plan per step, and take part in the GEMV kernels' PDL chain. Prefill, mixed and"
                 " larger steps stay on FlashInfer. 0: FlashInfer for every step."
-            )
-        },
-    )
-    decode_blas_library: str = field(
-        default="cublaslt",
-        metadata={
-            "help": (
-                "cublaslt | cublas: the library of a decode step's matmuls of more than gemv_max_rows rows (CUDA;"
-                " captured into its CUDA graph). cuBLASLt's heuristics pick faster kernels for these few-row"
-                " products; prefill and mixed steps keep cuBLAS, whose host cost per call is lower for eager steps."
             )
         },
     )
@@ -250,10 +239,6 @@ class EngineConfig:
             f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
         )
         check(0 <= self.gemv_max_rows <= 16, f"gemv_max_rows must be in [0, 16], got {self.gemv_max_rows}")
-        check(
-            self.decode_blas_library in BLAS_LIBRARIES,
-            f"decode_blas_library must be one of {BLAS_LIBRARIES}, got {self.decode_blas_library!r}",
-        )
         check(self.triton_decode_max_bs >= 0, f"triton_decode_max_bs must be >= 0, got {self.triton_decode_max_bs}")
         check(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         check(

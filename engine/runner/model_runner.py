@@ -36,7 +36,6 @@ from engine.models.loader import load_config, load_model
 from engine.models.source import ModelSource
 from engine.outputs import TokenLogprob
 from engine.parallel.shard import check_heads
-from engine.runner import blas
 from engine.runner.batch_result import BatchResult, LaunchedBatch
 from engine.runner.sampler import Sampler, SamplingBatchInfo
 from kernels.attention.base import get_backend_class
@@ -260,10 +259,9 @@ class ModelRunner:
             from engine.runner.cuda_graph import CudaGraphRunner  # noqa: PLC0415
 
             max_bs = self.config.cuda_graph_max_bs or min(self.config.max_running_requests, 256)
-            with blas.preferred(self.config.decode_blas_library, self.device):  # captured into the graphs
-                self.graph_runner = CudaGraphRunner(
-                    self.model, self.decode_backend, self.req_to_token_pool, max_bs, self.device
-                )
+            self.graph_runner = CudaGraphRunner(
+                self.model, self.decode_backend, self.req_to_token_pool, max_bs, self.device
+            )
 
         self.piecewise_runner = None
         """Runs prefill and mixed steps of up to piecewise_cuda_graph_max_tokens tokens (piecewise_graph.py)."""
@@ -285,12 +283,6 @@ class ModelRunner:
         if self.triton_decode_backend is not None and padded <= self.config.triton_decode_max_bs:
             return self.triton_decode_backend
         return self.attn_backend
-
-    def blas_for(self, fb):
-        """Context manager: the BLAS library of ForwardBatch `fb`'s matmuls (engine/runner/blas.py): the
-        decode library for DECODE steps (the one their CUDA graphs captured), cuBLAS otherwise."""
-        library = self.config.decode_blas_library if fb.forward_mode is ForwardMode.DECODE else "cublas"
-        return blas.preferred(library, self.device)
 
     def backend_for(self, fb) -> object:
         """The attention backend that runs ForwardBatch `fb` (prefill and mixed steps: the main one)."""
@@ -337,12 +329,11 @@ class ModelRunner:
             rows = self._prompt_logprob_rows(batch) if fb.forward_mode is ForwardMode.EXTEND else []
             if self.tp is not None:
                 self._send_step(fb, rows, len(reqs))
-            with self.blas_for(fb):
-                hidden = self.forward_hidden(fb)
-                prompt_logprobs = self._prompt_logprobs(batch, hidden, rows) if rows else {}
-                if not reqs:
-                    return LaunchedBatch.empty(self.device, prompt_logprobs)
-                logits = self.model.compute_logits(hidden[fb.last_token_rows[: len(reqs)]])
+            hidden = self.forward_hidden(fb)
+            prompt_logprobs = self._prompt_logprobs(batch, hidden, rows) if rows else {}
+            if not reqs:
+                return LaunchedBatch.empty(self.device, prompt_logprobs)
+            logits = self.model.compute_logits(hidden[fb.last_token_rows[: len(reqs)]])
         info = SamplingBatchInfo.build(
             [r.sampling_params for r in reqs],
             seeds=[r.seed for r in reqs],
