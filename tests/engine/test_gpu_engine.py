@@ -132,23 +132,35 @@ def test_gpu_auto_backend_is_flashinfer_in_bf16():
         engine.shutdown()
 
 
+def _tokens_with_graphs_on_and_off(prompts, params, check=None, **kwargs):
+    """Greedy token ids of `prompts` from two bf16 engines built with `kwargs`, CUDA graphs on then off;
+    `check(engine)` runs on each before it generates."""
+    runs = []
+    for graphs in (True, False):
+        engine = make_engine(device="cuda", dtype="bfloat16", disable_cuda_graph=not graphs, **kwargs)
+        try:
+            if check is not None:
+                check(engine)
+            runs.append([o.token_ids for o in engine.generate(prompts, params)])
+        finally:
+            engine.shutdown()
+            gc.collect()
+            torch.cuda.empty_cache()
+    return runs
+
+
 def test_gpu_small_decode_steps_switch_backends_alike_with_graphs_on_and_off():
     """FlashInfer with Triton decode for steps of up to 4 requests: requests of different lengths make the batch
     shrink from 8 to 1, so each run switches from FlashInfer to Triton decode mid-way, at the same step with
     CUDA graphs on and off (the choice follows the padded batch size): identical tokens."""
     pytest.importorskip("flashinfer")
     params = [dict(temperature=0.0, max_new_tokens=8 + 4 * i, ignore_eos=True) for i in range(len(PROMPTS))]
-    runs = []
-    for graphs in (True, False):
-        engine = make_engine(device="cuda", dtype="bfloat16", triton_decode_max_bs=4, disable_cuda_graph=not graphs)
-        try:
-            assert engine.runner.triton_decode_backend is not None
-            runs.append([o.token_ids for o in engine.generate(PROMPTS, params)])
-        finally:
-            engine.shutdown()
-            gc.collect()
-            torch.cuda.empty_cache()
-    assert runs[0] == runs[1], f"first divergence per prompt: {_first_divergence(runs[0], runs[1])}"
+
+    def check(engine):
+        assert engine.runner.triton_decode_backend is not None
+
+    on, off = _tokens_with_graphs_on_and_off(PROMPTS, params, check=check, triton_decode_max_bs=4)
+    assert on == off, f"first divergence per prompt: {_first_divergence(on, off)}"
 
 
 def test_gpu_decode_steps_above_gemv_rows_alike_with_graphs_on_and_off():
@@ -158,16 +170,8 @@ def test_gpu_decode_steps_above_gemv_rows_alike_with_graphs_on_and_off():
     pytest.importorskip("flashinfer")
     prompts = [f"{p} ({i})" for i in range(3) for p in PROMPTS]
     params = [dict(temperature=0.0, max_new_tokens=6 + 2 * i, ignore_eos=True) for i in range(len(prompts))]
-    runs = []
-    for graphs in (True, False):
-        engine = make_engine(device="cuda", dtype="bfloat16", disable_cuda_graph=not graphs)
-        try:
-            runs.append([o.token_ids for o in engine.generate(prompts, params)])
-        finally:
-            engine.shutdown()
-            gc.collect()
-            torch.cuda.empty_cache()
-    assert runs[0] == runs[1], f"first divergence per prompt: {_first_divergence(runs[0], runs[1])}"
+    on, off = _tokens_with_graphs_on_and_off(prompts, params)
+    assert on == off, f"first divergence per prompt: {_first_divergence(on, off)}"
 
 
 @pytest.mark.parametrize("graphs", [True, False])
