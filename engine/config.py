@@ -180,6 +180,15 @@ class EngineConfig:
             )
         },
     )
+    log_stats_interval_s: float = field(
+        default=0.0,
+        metadata={
+            "help": (
+                "Every this many seconds of work, log one line of throughput, queue, KV use and the longest step"
+                " (engine/core/stats_log.py); 0: never. Servers default to 10."
+            )
+        },
+    )
     enable_cache_events: bool = field(
         default=False,
         metadata={
@@ -223,6 +232,7 @@ class EngineConfig:
             self.chunked_prefill_size == -1 or self.chunked_prefill_size >= 1,
             f"chunked_prefill_size must be -1 or >= 1, got {self.chunked_prefill_size}",
         )
+        check(self.log_stats_interval_s >= 0, f"log_stats_interval_s must be >= 0, got {self.log_stats_interval_s}")
         check(self.max_prefill_tokens >= 1, f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         check(
             self.schedule_policy in ("lpm", "fcfs"),

@@ -29,6 +29,7 @@ SERVER_DEFAULTS = {
     "enable_mixed_chunk": True,
     "max_prefill_tokens": 2048,
     "max_queued_requests": 128,
+    "log_stats_interval_s": 10.0,
 }
 """Engine options whose server default differs from the library's (offline) one: a server runs its
 scheduler in a process of its own, so that HTTP, text and SSE never stall a step; and it bounds the
@@ -37,8 +38,9 @@ prefill, within a budget of 2048 tokens per step (earlier first tokens than larg
 requests per second under load: benchmarks/README.md, "Step token budget"), where an offline batch
 prefers larger prefill steps. A server also sheds load: beyond max_running_requests, at most 128 requests
 wait (half a batch at the default 256), so an admitted request's wait stays bounded and the excess
-gets a fast 503 with Retry-After; an offline batch queues everything. The cluster's workers use the
-same (cluster/config.py)."""
+gets a fast 503 with Retry-After; an offline batch queues everything. A server logs one line of
+throughput, queue and KV use every 10 s of work, as vLLM's and SGLang's do. The cluster's workers use
+the same (cluster/config.py)."""
 
 
 def _field_type(f: dataclasses.Field) -> tuple:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
@@ -34,6 +35,7 @@ from engine.core.messages import (
     ReleaseSent,
     StepOutputs,
 )
+from engine.core.stats_log import StatsLog
 from engine.errors import EngineDeadError, InvalidConfigError, InvalidRequestError
 from engine.memory.kv_cache_manager import KVCacheManager
 from engine.memory.radix_cache import RadixCache
@@ -125,10 +127,13 @@ class EngineCore:
         (fail_all) and the engine is dead."""
         timeout: Optional[float] = None
         idle_timeout = RANK_POLL_S if self.runner.watches_ranks else None
+        interval = self.config.log_stats_interval_s
+        stats_log = StatsLog(interval) if interval > 0 else None
         while True:
             messages = receive(timeout)
             if messages is None:
                 return
+            start = time.perf_counter()
             self.runner.check_ranks()
             for msg in messages:
                 result = self.handle(msg)
@@ -137,6 +142,10 @@ class EngineCore:
             did_work = self.step()
             if self._outputs:
                 send(StepOutputs(self.take_outputs()))
+            if stats_log is not None:
+                if did_work:
+                    stats_log.iteration(time.perf_counter() - start)
+                stats_log.maybe_log(self.call_stats)
             # Idle: sleep on the inbox. Work that cannot start yet (memory, grammars): poll gently.
             timeout = idle_timeout if not self.has_work else (0.0 if did_work else IDLE_POLL_S)
 

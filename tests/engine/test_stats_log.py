@@ -1,0 +1,105 @@
+"""engine/core/stats_log.py: the periodic stats line of a busy engine (log_stats_interval_s)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.core.stats_log import StatsLog
+from engine.errors import InvalidConfigError
+from engine.outputs import EngineStats
+from engine_harness import make_engine
+
+
+def _stats(**counters) -> EngineStats:
+    base = dict(
+        running=3,
+        waiting=1,
+        handoff_in_flight=0,
+        kv_total_tokens=1000,
+        kv_free_tokens=900,
+        kv_cached_tokens=50,
+        kv_evictable_tokens=40,
+        kv_usage=0.06,
+        cache_hit_rate=0.0,
+        prompt_tokens=0,
+        cached_tokens=0,
+        generated_tokens=0,
+        retractions=0,
+        finished=0,
+        aborted=0,
+        prefill_steps=0,
+        decode_steps=0,
+        mixed_steps=0,
+    )
+    return EngineStats(**dict(base, **counters))
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_line_per_busy_interval_with_the_interval_rates():
+    clock = _Clock()
+    log = StatsLog(10.0, clock)
+    assert not log.due()
+    clock.now += 20
+    assert not log.due()  # idle: nothing to say
+    log.iteration(0.020)
+    log.iteration(0.055)
+    assert log.due()
+    first = _stats(prompt_tokens=3000, cached_tokens=1000, generated_tokens=400, prefill_steps=2, decode_steps=8)
+    line = log.line(first)
+    assert line == (
+        "last 20.0 s: prompt 150 tok/s (cache hit 33.3%), generation 20 tok/s; running 3, waiting 1; KV 6.0% used; "
+        "steps 10 (prefill 2, mixed 0, decode 8); longest step 55.0 ms"
+    )
+    assert not log.due()  # a new interval starts
+    clock.now += 10
+    log.iteration(0.010)
+    second = dataclasses.replace(
+        first, prompt_tokens=4000, cached_tokens=1900, generated_tokens=900, mixed_steps=5, decode_steps=28
+    )
+    line = log.line(second)  # rates and the hit rate of this interval only
+    assert "last 10.0 s: prompt 100 tok/s (cache hit 90.0%), generation 50 tok/s" in line
+    assert "steps 25 (prefill 0, mixed 5, decode 20); longest step 10.0 ms" in line
+
+
+def test_interval_must_be_positive_and_config_bounds():
+    with pytest.raises(ValueError, match="interval_s"):
+        StatsLog(0)
+    assert EngineConfig().log_stats_interval_s == 0
+    with pytest.raises(InvalidConfigError, match="log_stats_interval_s"):
+        EngineConfig(log_stats_interval_s=-1)
+
+
+def test_servers_log_stats_by_default():
+    from serving.__main__ import SERVER_DEFAULTS
+
+    assert SERVER_DEFAULTS["log_stats_interval_s"] > 0
+
+
+def test_a_busy_engine_logs_lines_and_an_idle_one_does_not(tmp_path, caplog):
+    from engine_harness import write_tiny_config
+
+    folder = write_tiny_config(tmp_path)
+    with caplog.at_level(logging.INFO, logger="engine.core.stats_log"):
+        engine = make_engine(model=folder, load_format="dummy", skip_tokenizer_init=True, log_stats_interval_s=1e-6)
+        try:
+            engine.generate([[1, 2, 3, 4]] * 3, dict(temperature=0.0, max_new_tokens=8, ignore_eos=True))
+            lines = [r.getMessage() for r in caplog.records if r.name == "engine.core.stats_log"]
+            assert lines and all(line.startswith("last ") and "longest step" in line for line in lines)
+            assert any("generation" in line and "decode" in line for line in lines)
+            engine.stats()  # the loop's last iteration with work (overlap: the final batch's results) is behind us
+            caplog.clear()
+            engine.stats()  # an idle loop handles a call: no work, no line
+            assert not [r for r in caplog.records if r.name == "engine.core.stats_log"]
+        finally:
+            engine.shutdown()
