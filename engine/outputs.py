@@ -184,8 +184,13 @@ class EngineStats:
     finished: int
     aborted: int
     prefill_steps: int
+    """EXTEND steps, mixed ones included."""
     decode_steps: int
     mixed_steps: int
+    """EXTEND steps that also decoded running requests (counted in prefill_steps too)."""
+    device_wait_s: float = 0.0
+    """Seconds the scheduler's loop blocked waiting for the device's results since start: the rest of its
+    time went to the host's own work (0 on the CPU, where the forward runs on the host)."""
 
     def as_dict(self) -> Dict[str, float]:
         """Every field by name (JSON bodies, Prometheus, the cluster's worker reports)."""

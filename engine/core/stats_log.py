@@ -1,12 +1,15 @@
 """StatsLog: one log line per interval of a busy engine, as vLLM's and SGLang's servers print.
 
     last 10.0 s: prompt 24510 tok/s (cache hit 69.8%), generation 4390 tok/s; running 32, waiting 0;
-    KV 3.1% used; steps 1712 (prefill 12, mixed 61, decode 1639); longest step 58.3 ms
+    KV 3.1% used; steps 1712 (prefill 73, 61 of them mixed; decode 1639); longest step 58.3 ms;
+    waiting on the device 71%
 
 Rates are over the interval since the previous line, from EngineStats' counters (the cache hit rate too:
 cached / prompt tokens of the interval). "longest step" is the longest loop iteration that did work
 (messages handled, one scheduler step launched, the previous one's results processed): a stall of the
-loop, whatever its cause, shows there. An idle engine prints nothing.
+loop, whatever its cause, shows there. "waiting on the device" is the share of the interval the loop
+spent blocked on a step's results (EngineStats.device_wait_s): near 0 on a GPU, the host is what bounds
+the steps; high, the device is. An idle engine prints nothing.
 
 Owned by EngineCore (its loop thread); not thread-safe.
 """
@@ -21,7 +24,15 @@ from engine.outputs import EngineStats
 
 logger = logging.getLogger(__name__)
 
-_RATES = ("prompt_tokens", "cached_tokens", "generated_tokens", "prefill_steps", "mixed_steps", "decode_steps")
+_RATES = (
+    "prompt_tokens",
+    "cached_tokens",
+    "generated_tokens",
+    "prefill_steps",
+    "mixed_steps",
+    "decode_steps",
+    "device_wait_s",
+)
 
 
 class StatsLog:
@@ -52,13 +63,14 @@ class StatsLog:
         last = self._last
         delta = {k: getattr(stats, k) - (getattr(last, k) if last is not None else 0) for k in _RATES}
         hit = delta["cached_tokens"] / delta["prompt_tokens"] if delta["prompt_tokens"] else 0.0
-        steps = delta["prefill_steps"] + delta["mixed_steps"] + delta["decode_steps"]
+        steps = delta["prefill_steps"] + delta["decode_steps"]
         text = (
             f"last {elapsed:.1f} s: prompt {delta['prompt_tokens'] / elapsed:.0f} tok/s (cache hit {hit:.1%}), "
             f"generation {delta['generated_tokens'] / elapsed:.0f} tok/s; running {stats.running}, waiting "
             f"{stats.waiting}; KV {stats.kv_usage:.1%} used; steps {steps} (prefill {delta['prefill_steps']}, "
-            f"mixed {delta['mixed_steps']}, decode {delta['decode_steps']}); "
-            f"longest step {self._longest_s * 1e3:.1f} ms"
+            f"{delta['mixed_steps']} of them mixed; decode {delta['decode_steps']}); "
+            f"longest step {self._longest_s * 1e3:.1f} ms; waiting on the device "
+            f"{delta['device_wait_s'] / elapsed:.0%}"
         )
         self._since, self._last, self._longest_s, self._busy = now, stats, 0.0, False
         return text

@@ -11,6 +11,7 @@ this one. On the CPU the copies are plain tensors and `resolve` does not wait.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -28,6 +29,8 @@ class BatchResult:
     top_logprobs: Optional[List[List[tuple]]] = None
     prompt_logprobs: Dict[int, List[TokenLogprob]] = field(default_factory=dict)
     """Batch index → logprobs of the prompt tokens this step scored (requests owing prompt logprobs)."""
+    device_wait_s: float = 0.0
+    """Seconds `LaunchedBatch.resolve` blocked waiting for the device (0 on the CPU)."""
 
 
 @dataclass
@@ -76,8 +79,11 @@ class LaunchedBatch:
 
     def resolve(self) -> BatchResult:
         """Wait for the host copies (the GPU→CPU sync of this batch) and return host lists."""
+        waited = 0.0
         if self.event is not None:
+            start = time.perf_counter()
             self.event.synchronize()
+            waited = time.perf_counter() - start
         ids, logprobs, top_ids, top_vals = self.host
         top = None
         if top_ids is not None:
@@ -93,4 +99,5 @@ class LaunchedBatch:
             logprobs=None if logprobs is None else logprobs.tolist(),
             top_logprobs=top,
             prompt_logprobs=self.prompt_logprobs,
+            device_wait_s=waited,
         )

@@ -63,6 +63,8 @@ class Scheduler:
             decode_steps=0,
             mixed_steps=0,
         )
+        self.device_wait_s = 0.0
+        """Seconds spent blocked on the device's results (EngineStats.device_wait_s)."""
         self.handoff = HandoffState(kv, self.output, self.counters, config.new_token_ratio)
         """Disaggregation: requests receiving or sending their prompt's KV (never in waiting/running)."""
         self.loop = SerialLoop(self) if config.disable_overlap_schedule else OverlapLoop(self)
@@ -237,6 +239,7 @@ class Scheduler:
         it ended or was aborted while this batch ran) gets nothing: its extra token is dropped."""
         self.counters["prefill_steps" if batch.mode is ForwardMode.EXTEND else "decode_steps"] += 1
         self.counters["mixed_steps"] += batch.num_decode > 0
+        self.device_wait_s += result.device_wait_s
         live = [r for r in batch.reqs if not r.finished]
         for i, lps in result.prompt_logprobs.items():
             batch.reqs[i].prompt_logprobs += lps
@@ -280,5 +283,6 @@ class Scheduler:
             kv_evictable_tokens=tree.evictable_size(),
             kv_usage=used / alloc.size,
             cache_hit_rate=(self.counters["cached_tokens"] / prompt) if prompt else 0.0,
+            device_wait_s=self.device_wait_s,
             **self.counters,
         )

@@ -55,21 +55,29 @@ def test_a_line_per_busy_interval_with_the_interval_rates():
     log.iteration(0.020)
     log.iteration(0.055)
     assert log.due()
-    first = _stats(prompt_tokens=3000, cached_tokens=1000, generated_tokens=400, prefill_steps=2, decode_steps=8)
+    counts = dict(prompt_tokens=3000, cached_tokens=1000, generated_tokens=400, prefill_steps=2, decode_steps=8)
+    first = _stats(**counts, device_wait_s=15.0)
     line = log.line(first)
     assert line == (
         "last 20.0 s: prompt 150 tok/s (cache hit 33.3%), generation 20 tok/s; running 3, waiting 1; KV 6.0% used; "
-        "steps 10 (prefill 2, mixed 0, decode 8); longest step 55.0 ms"
+        "steps 10 (prefill 2, 0 of them mixed; decode 8); longest step 55.0 ms; waiting on the device 75%"
     )
     assert not log.due()  # a new interval starts
     clock.now += 10
     log.iteration(0.010)
     second = dataclasses.replace(
-        first, prompt_tokens=4000, cached_tokens=1900, generated_tokens=900, mixed_steps=5, decode_steps=28
+        first,
+        prompt_tokens=4000,
+        cached_tokens=1900,
+        generated_tokens=900,
+        prefill_steps=7,
+        mixed_steps=5,
+        decode_steps=28,
+        device_wait_s=16.0,
     )
-    line = log.line(second)  # rates and the hit rate of this interval only
+    line = log.line(second)  # rates, hit rate and device share of this interval only
     assert "last 10.0 s: prompt 100 tok/s (cache hit 90.0%), generation 50 tok/s" in line
-    assert "steps 25 (prefill 0, mixed 5, decode 20); longest step 10.0 ms" in line
+    assert "steps 25 (prefill 5, 5 of them mixed; decode 20); longest step 10.0 ms; waiting on the device 10%" in line
 
 
 def test_interval_must_be_positive_and_config_bounds():
@@ -97,6 +105,7 @@ def test_a_busy_engine_logs_lines_and_an_idle_one_does_not(tmp_path, caplog):
             lines = [r.getMessage() for r in caplog.records if r.name == "engine.core.stats_log"]
             assert lines and all(line.startswith("last ") and "longest step" in line for line in lines)
             assert any("generation" in line and "decode" in line for line in lines)
+            assert engine.stats().device_wait_s == 0.0  # the CPU forward runs on the host: nothing to wait for
             engine.stats()  # the loop's last iteration with work (overlap: the final batch's results) is behind us
             caplog.clear()
             engine.stats()  # an idle loop handles a call: no work, no line
