@@ -15,27 +15,9 @@ from engine_harness import make_engine
 
 
 def _stats(**counters) -> EngineStats:
-    base = dict(
-        running=3,
-        waiting=1,
-        handoff_in_flight=0,
-        kv_total_tokens=1000,
-        kv_free_tokens=900,
-        kv_cached_tokens=50,
-        kv_evictable_tokens=40,
-        kv_usage=0.06,
-        cache_hit_rate=0.0,
-        prompt_tokens=0,
-        cached_tokens=0,
-        generated_tokens=0,
-        retractions=0,
-        finished=0,
-        aborted=0,
-        prefill_steps=0,
-        decode_steps=0,
-        mixed_steps=0,
-    )
-    return EngineStats(**dict(base, **counters))
+    """An EngineStats with every counter 0, a few gauges set, then `counters`."""
+    zero = dict.fromkeys((f.name for f in dataclasses.fields(EngineStats)), 0)
+    return EngineStats(**{**zero, "running": 3, "waiting": 1, "kv_total_tokens": 1000, "kv_usage": 0.06, **counters})
 
 
 class _Clock:
