@@ -4,12 +4,13 @@
     KV 3.1% used; steps 1712 (prefill 73, 61 of them mixed; decode 1639); longest step 58.3 ms;
     waiting on the device 71%
 
-Rates are over the interval since the previous line, from EngineStats' counters (the cache hit rate too:
-cached / prompt tokens of the interval). "longest step" is the longest loop iteration that did work
-(messages handled, one scheduler step launched, the previous one's results processed): a stall of the
-loop, whatever its cause, shows there. "waiting on the device" is the share of the interval the loop
-spent blocked on a step's results (EngineStats.device_wait_s): near 0 on a GPU, the host is what bounds
-the steps; high, the device is. An idle engine prints nothing.
+Rates are over the interval, from EngineStats' counters (the cache hit rate too: cached / prompt tokens of
+the interval). An interval starts at the first iteration after the previous line or after idle time (the
+loop calls `start` before such an iteration's work), so idle time never dilutes the rates. "longest step"
+is the longest loop iteration that did work (messages handled, one scheduler step launched, the previous
+one's results processed): a stall of the loop, whatever its cause, shows there. "waiting on the device"
+is the share of the interval the loop spent blocked on a step's results (EngineStats.device_wait_s): near
+0 on a GPU, the host is what bounds the steps; high, the device is. An idle engine prints nothing.
 
 Owned by EngineCore (its loop thread); not thread-safe.
 """
@@ -46,6 +47,15 @@ class StatsLog:
         self._last: Optional[EngineStats] = None
         self._longest_s = 0.0
         self._busy = False
+
+    @property
+    def idle(self) -> bool:
+        """No iteration did work since the last line (or since the start): the next one starts an interval."""
+        return not self._busy
+
+    def start(self, stats: EngineStats) -> None:
+        """An interval starts now, from `stats` (taken now)."""
+        self._since, self._last = self._clock(), stats
 
     def iteration(self, seconds: float) -> None:
         """A loop iteration that did work took `seconds`."""
