@@ -134,8 +134,6 @@ class EngineCore:
             if messages is None:
                 return
             start = time.perf_counter()
-            if stats_log is not None and stats_log.idle:
-                stats_log.start(self.call_stats())
             self.runner.check_ranks()
             for msg in messages:
                 result = self.handle(msg)

@@ -5,12 +5,12 @@
     waiting on the device 71%
 
 Rates are over the interval, from EngineStats' counters (the cache hit rate too: cached / prompt tokens of
-the interval). An interval starts at the first iteration after the previous line or after idle time (the
-loop calls `start` before such an iteration's work), so idle time never dilutes the rates. "longest step"
-is the longest loop iteration that did work (messages handled, one scheduler step launched, the previous
-one's results processed): a stall of the loop, whatever its cause, shows there. "waiting on the device"
-is the share of the interval the loop spent blocked on a step's results (EngineStats.device_wait_s): near
-0 on a GPU, the host is what bounds the steps; high, the device is. An idle engine prints nothing.
+the interval). An interval starts with the first iteration that does work after the previous line or
+after idle time, so idle time never dilutes the rates. "longest step" is the longest loop iteration that
+did work (messages handled, one scheduler step launched, the previous one's results processed): a stall
+of the loop, whatever its cause, shows there. "waiting on the device" is the share of the interval the
+loop spent blocked on a step's results (EngineStats.device_wait_s): near 0 on a GPU, the host is what
+bounds the steps; high, the device is. An idle engine prints nothing.
 
 Owned by EngineCore (its loop thread); not thread-safe.
 """
@@ -48,17 +48,12 @@ class StatsLog:
         self._longest_s = 0.0
         self._busy = False
 
-    @property
-    def idle(self) -> bool:
-        """No iteration did work since the last line (or since the start): the next one starts an interval."""
-        return not self._busy
-
-    def start(self, stats: EngineStats) -> None:
-        """An interval starts now, from `stats` (taken now)."""
-        self._since, self._last = self._clock(), stats
-
     def iteration(self, seconds: float) -> None:
-        """A loop iteration that did work took `seconds`."""
+        """A loop iteration that did work took `seconds`. The first one after a line or after idle time starts
+        the interval: iterations without work move none of the counters a line reads, so the last line's stats
+        stay its baseline."""
+        if not self._busy:
+            self._since = self._clock() - seconds
         self._busy = True
         self._longest_s = max(self._longest_s, seconds)
 

@@ -31,36 +31,35 @@ class _Clock:
 def test_a_line_per_busy_interval_with_the_interval_rates():
     clock = _Clock()
     log = StatsLog(10.0, clock)
-    assert log.idle and not log.due()
+    assert not log.due()
     clock.now += 300
     assert not log.due()  # idle: nothing to say
-    earlier = _stats(prompt_tokens=500, cached_tokens=500, generated_tokens=100, decode_steps=4, device_wait_s=1.0)
-    log.start(earlier)  # the engine gets work after 300 s idle: the interval starts here
-    log.iteration(0.020)
-    assert not log.idle and not log.due()
-    clock.now += 20
+    clock.now += 0.020
+    log.iteration(0.020)  # the engine gets work after 300 s idle: the interval starts with this iteration
+    assert not log.due()
+    clock.now = 420.0
     log.iteration(0.055)
     assert log.due()
-    counts = dict(prompt_tokens=3500, cached_tokens=1500, generated_tokens=500, prefill_steps=2, decode_steps=12)
-    first = _stats(**counts, device_wait_s=16.0)
+    counts = dict(prompt_tokens=3000, cached_tokens=1000, generated_tokens=400, prefill_steps=2, decode_steps=8)
+    first = _stats(**counts, device_wait_s=15.0)
     line = log.line(first)
     assert line == (
         "last 20.0 s: prompt 150 tok/s (cache hit 33.3%), generation 20 tok/s; running 3, waiting 1; KV 6.0% used; "
         "steps 10 (prefill 2, 0 of them mixed; decode 8); longest step 55.0 ms; waiting on the device 75%"
     )
-    assert log.idle and not log.due()  # the next iteration starts the next interval
-    log.start(first)
-    clock.now += 10
+    assert not log.due()  # the next iteration with work starts the next interval
+    clock.now += 0.010
     log.iteration(0.010)
+    clock.now = 430.0
     second = dataclasses.replace(
         first,
-        prompt_tokens=4500,
-        cached_tokens=2400,
-        generated_tokens=1000,
+        prompt_tokens=4000,
+        cached_tokens=1900,
+        generated_tokens=900,
         prefill_steps=7,
         mixed_steps=5,
-        decode_steps=32,
-        device_wait_s=17.0,
+        decode_steps=28,
+        device_wait_s=16.0,
     )
     line = log.line(second)  # rates, hit rate and device share of this interval only
     assert "last 10.0 s: prompt 100 tok/s (cache hit 90.0%), generation 50 tok/s" in line
