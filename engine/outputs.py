@@ -191,6 +191,10 @@ class EngineStats:
     device_wait_s: float = 0.0
     """Seconds the scheduler's loop blocked waiting for the device's results since start: the rest of its
     time went to the host's own work (0 on the CPU, where the forward runs on the host)."""
+    device_busy_s: float = 0.0
+    """Seconds the device spent running the engine's steps since start, from CUDA events queued around each
+    step (engine/runner/device_clock.py); over a busy stretch, wall time minus this is time the device
+    waited for the host (0 on the CPU)."""
 
     def as_dict(self) -> Dict[str, float]:
         """Every field by name (JSON bodies, Prometheus, the cluster's worker reports)."""

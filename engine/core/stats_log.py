@@ -2,7 +2,7 @@
 
     last 10.0 s: prompt 24510 tok/s (cache hit 69.8%), generation 4390 tok/s; running 32, waiting 0;
     KV 3.1% used; steps 1712 (prefill 73, 61 of them mixed; decode 1639); longest step 58.3 ms;
-    waiting on the device 71%
+    waiting on the device 71%; device busy 97%
 
 Rates are over the interval, from EngineStats' counters (the cache hit rate too: cached / prompt tokens of
 the interval). An interval starts with the first iteration that does work after the previous line or
@@ -10,7 +10,9 @@ after idle time, so idle time never dilutes the rates. "longest step" is the lon
 did work (messages handled, one scheduler step launched, the previous one's results processed): a stall
 of the loop, whatever its cause, shows there. "waiting on the device" is the share of the interval the
 loop spent blocked on a step's results (EngineStats.device_wait_s): near 0 on a GPU, the host is what
-bounds the steps; high, the device is. An idle engine prints nothing.
+bounds the steps; high, the device is. "device busy" (GPU only) is the share of the interval the device
+spent running steps (EngineStats.device_busy_s, from CUDA events around each step): below 100%, the device
+waited for the host between steps. An idle engine prints nothing.
 
 Owned by EngineCore (its loop thread); not thread-safe.
 """
@@ -33,6 +35,7 @@ _RATES = (
     "mixed_steps",
     "decode_steps",
     "device_wait_s",
+    "device_busy_s",
 )
 
 
@@ -77,6 +80,8 @@ class StatsLog:
             f"longest step {self._longest_s * 1e3:.1f} ms; waiting on the device "
             f"{delta['device_wait_s'] / elapsed:.0%}"
         )
+        if delta["device_busy_s"] > 0:
+            text += f"; device busy {delta['device_busy_s'] / elapsed:.0%}"
         self._since, self._last, self._longest_s, self._busy = now, stats, 0.0, False
         return text
 

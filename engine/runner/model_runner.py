@@ -37,6 +37,7 @@ from engine.models.source import ModelSource
 from engine.outputs import TokenLogprob
 from engine.parallel.shard import check_heads
 from engine.runner.batch_result import BatchResult, LaunchedBatch
+from engine.runner.device_clock import DeviceClock
 from engine.runner.sampler import Sampler, SamplingBatchInfo
 from kernels.attention.base import get_backend_class
 
@@ -93,6 +94,8 @@ class ModelRunner:
             self.close()
             raise
         self.sampler = Sampler()
+        self.device_clock = DeviceClock(self.device)
+        """The device time of the steps launched here (EngineStats.device_busy_s)."""
 
     def _init_device_state(self) -> None:
         self._init_model()
@@ -301,10 +304,14 @@ class ModelRunner:
         except prompt logprobs (computed on the host now). `steps`: the sampling step of each sampled
         request (default: its len(output_ids); overlap scheduling adds the token still in flight).
         Tensor-parallel: every rank runs the step; a rank's death raises TensorParallelError."""
+        started = self.device_clock.start()
         if self.tp is None:
-            return self._launch(batch, steps)
-        with self.tp.guard():
-            return self._launch(batch, steps)
+            launched = self._launch(batch, steps)
+        else:
+            with self.tp.guard():
+                launched = self._launch(batch, steps)
+        self.device_clock.stop(started)
+        return launched
 
     def forward_hidden(self, fb) -> torch.Tensor:
         """Final-normed hidden states (T, hidden) of a ForwardBatch run without a decode graph (its

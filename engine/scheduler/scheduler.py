@@ -284,5 +284,6 @@ class Scheduler:
             kv_usage=used / alloc.size,
             cache_hit_rate=(self.counters["cached_tokens"] / prompt) if prompt else 0.0,
             device_wait_s=self.device_wait_s,
+            device_busy_s=self.runner.device_clock.busy_s(),
             **self.counters,
         )

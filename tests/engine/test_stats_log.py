@@ -60,10 +60,12 @@ def test_a_line_per_busy_interval_with_the_interval_rates():
         mixed_steps=5,
         decode_steps=28,
         device_wait_s=16.0,
+        device_busy_s=9.5,
     )
     line = log.line(second)  # rates, hit rate and device share of this interval only
     assert "last 10.0 s: prompt 100 tok/s (cache hit 90.0%), generation 50 tok/s" in line
     assert "steps 25 (prefill 5, 5 of them mixed; decode 20); longest step 10.0 ms; waiting on the device 10%" in line
+    assert line.endswith("; device busy 95%")  # a GPU's share busy; no such part when it did not move (the CPU)
 
 
 def test_interval_must_be_positive_and_config_bounds():
@@ -92,9 +94,49 @@ def test_a_busy_engine_logs_lines_and_an_idle_one_does_not(tmp_path, caplog):
             assert lines and all(line.startswith("last ") and "longest step" in line for line in lines)
             assert any("generation" in line and "decode" in line for line in lines)
             assert engine.stats().device_wait_s == 0.0  # the CPU forward runs on the host: nothing to wait for
+            assert engine.stats().device_busy_s == 0.0  # and no device clock
+            assert not any("device busy" in line for line in lines)
             engine.stats()  # the loop's last iteration with work (overlap: the final batch's results) is behind us
             caplog.clear()
             engine.stats()  # an idle loop handles a call: no work, no line
             assert not [r for r in caplog.records if r.name == "engine.core.stats_log"]
         finally:
             engine.shutdown()
+
+
+def test_device_clock_on_the_cpu_records_nothing():
+    import torch
+
+    from engine.runner.device_clock import DeviceClock
+
+    clock = DeviceClock(torch.device("cpu"))
+    started = clock.start()
+    assert started is None
+    clock.stop(started)
+    assert clock.busy_s() == 0.0
+
+
+@pytest.mark.gpu
+def test_device_clock_sums_the_device_time_of_its_steps():
+    import time
+
+    import torch
+
+    from engine.runner.device_clock import DeviceClock
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    a = torch.randn(4096, 4096, device="cuda")
+    clock = DeviceClock(torch.device("cuda"))
+    t0 = time.perf_counter()
+    for _ in range(3):
+        started = clock.start()
+        for _ in range(20):
+            a = a @ a / 64
+        clock.stop(started)
+        torch.cuda.synchronize()
+        time.sleep(0.05)  # the device idles between steps: not counted
+    wall = time.perf_counter() - t0
+    busy = clock.busy_s()
+    assert 0 < busy < wall - 3 * 0.05
+    assert not clock._pending  # every finished step collected
