@@ -189,6 +189,17 @@ class EngineConfig:
             )
         },
     )
+    warmup: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "CUDA: before taking requests, run two short requests (a prefill, then a mixed step with a cached"
+                " prefix and sampling) so that kernels which compile on first use (FlashInfer's prefill module,"
+                " Triton kernels of eager steps and sampling) compile at start-up, not in the first user's"
+                " request; the cache and counters are then cleared (engine/core/warmup.py). Servers: on."
+            )
+        },
+    )
     enable_cache_events: bool = field(
         default=False,
         metadata={

@@ -30,6 +30,7 @@ SERVER_DEFAULTS = {
     "max_prefill_tokens": 2048,
     "max_queued_requests": 128,
     "log_stats_interval_s": 10.0,
+    "warmup": True,
 }
 """Engine options whose server default differs from the library's (offline) one: a server runs its
 scheduler in a process of its own, so that HTTP, text and SSE never stall a step; and it bounds the
@@ -39,7 +40,8 @@ requests per second under load: benchmarks/README.md, "Step token budget"), wher
 prefers larger prefill steps. A server also sheds load: beyond max_running_requests, at most 128 requests
 wait (half a batch at the default 256), so an admitted request's wait stays bounded and the excess
 gets a fast 503 with Retry-After; an offline batch queues everything. A server logs one line of
-throughput, queue and KV use every 10 s of work, as vLLM's and SGLang's do. The cluster's workers use
+throughput, queue and KV use every 10 s of work, as vLLM's and SGLang's do, and on a GPU it warms its
+kernels up before it answers, so that no user's request waits for a compiler. The cluster's workers use
 the same (cluster/config.py)."""
 
 

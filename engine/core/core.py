@@ -35,6 +35,7 @@ from engine.core.messages import (
     ReleaseSent,
     StepOutputs,
 )
+from engine.core import warmup
 from engine.core.stats_log import StatsLog
 from engine.errors import EngineDeadError, InvalidConfigError, InvalidRequestError
 from engine.memory.kv_cache_manager import KVCacheManager
@@ -77,6 +78,8 @@ class EngineCore:
                 )
             self._init_tokens(tokenizer)
             self._init_scheduler()
+            if warmup.wanted(config, self.runner.device):
+                logger.info("warmed up in %.1f s", warmup.warm_up(self))
         except BaseException:
             self.runner.close()  # tensor parallelism: the other ranks must not outlive a failed start
             raise

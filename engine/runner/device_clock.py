@@ -50,6 +50,11 @@ class DeviceClock:
         self._collect()
         return self._busy_s
 
+    def reset(self) -> None:
+        """Start the sum from zero (steps still in flight are dropped)."""
+        self._pending.clear()
+        self._busy_s = 0.0
+
     def _collect(self) -> None:
         # Stream order: once one pair is unfinished, so are the ones queued after it.
         while self._pending and self._pending[0][1].query():

@@ -29,6 +29,7 @@ from typing import Dict, List, Optional
 
 from engine.forward_batch import ForwardMode
 from engine.memory.kv_cache_manager import KVCacheManager
+from engine.memory.radix_cache import CacheStats
 from engine.outputs import EngineStats, FinishReason, TokenLogprob
 from engine.request import Req
 from engine.scheduler.decode import retract_for_decode
@@ -269,6 +270,15 @@ class Scheduler:
         self.handoff.send(req, token, logprob)
 
     # ---- introspection ------------------------------------------------------------------
+    def reset_stats(self) -> None:
+        """Counters, the device's wait and busy time and the radix cache's hit counts start from zero again
+        (after a warm-up: engine/core/warmup.py)."""
+        for key in self.counters:
+            self.counters[key] = 0
+        self.device_wait_s = 0.0
+        self.runner.device_clock.reset()
+        self.kv.tree.stats = CacheStats()
+
     def stats(self) -> EngineStats:
         alloc, tree = self.kv.allocator, self.kv.tree
         used = alloc.size - alloc.available_size() - tree.evictable_size()

@@ -1,0 +1,78 @@
+"""Warm-up: compile what compiles on first use before the first user's request (EngineConfig.warmup).
+
+On CUDA some kernels are built the first time a step needs them, not when the model loads: FlashInfer's
+prefill module (a JIT build of tens of seconds on a machine whose cache is cold), and Triton kernels for
+the shapes of eager prefill and mixed steps and for sampling with temperature / top-p / top-k. CUDA graph
+capture at start-up covers only decode steps and the non-attention work of small prefill steps. Without a
+warm-up the first request a server takes waits for those builds.
+
+`warm_up` runs two requests through the scheduler, as requests from a user would run:
+
+    A  a prompt longer than the piecewise-graph limit (an eager prefill), greedy, 4 tokens
+    B  A's prompt + a few more tokens, once A is decoding: a mixed step (B's prefill beside A's decode)
+       over A's cached prefix, sampled with temperature, top-p and top-k
+
+and then leaves nothing behind: their outputs go nowhere, the radix cache is emptied (its events are
+dropped, so a router never hears of these prompts) and the scheduler's counters and the device clock
+start from zero. KV pages: every page is free again, or warm_up raises RuntimeError (a leak is a bug).
+Outputs of later requests do not depend on it: greedy tokens are those of an engine that never warmed up.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, List
+
+from engine.outputs import ReqOutput
+from engine.request import Req
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # pragma: no cover
+    from engine.core.core import EngineCore
+
+PROMPT_TOKENS = 600
+"""Warm-up prompt A: above the default piecewise-graph limit (512), so its prefill runs eagerly."""
+EXTRA_TOKENS = 40
+"""B = A + this many tokens: a prefill small enough for the piecewise graphs."""
+MAX_STEPS = 10_000
+"""A bound on the scheduler steps of the warm-up (it needs a few dozen)."""
+
+
+def wanted(config, device) -> bool:
+    """EngineConfig.warmup, on a CUDA device (on the CPU nothing compiles on first use)."""
+    return bool(config.warmup) and device.type == "cuda"
+
+
+def warm_up(core: "EngineCore") -> float:
+    """Run the warm-up requests through `core`'s scheduler (its loop not started yet); returns seconds."""
+    start = time.perf_counter()
+    runner, scheduler = core.runner, core.scheduler
+    n = max(1, min(PROMPT_TOKENS, runner.context_len - EXTRA_TOKENS - 16, runner.allocator.size // 4))
+    extra = max(0, min(EXTRA_TOKENS, runner.context_len - n - 8))
+    prompt = [(7 + 31 * i) % runner.vocab_size for i in range(n + extra)]
+    outputs: List[ReqOutput] = []
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    top_k = min(50, runner.vocab_size)
+    sampled = SamplingParams(temperature=0.7, top_p=0.9, top_k=top_k, max_new_tokens=4, ignore_eos=True)
+    a = Req("warmup-a", prompt[:n], greedy, seed=0, eos_token_ids=frozenset(), on_output=outputs.append)
+    b = Req("warmup-b", prompt, sampled, seed=1, eos_token_ids=frozenset(), on_output=outputs.append)
+    scheduler.add_request(a)
+    pending = [b] if extra else []
+    steps = 0
+    while scheduler.has_work or pending:
+        if pending and a.output_ids:  # A decodes: B's prefill joins it in a mixed step
+            scheduler.add_request(pending.pop())
+        scheduler.step()
+        steps += 1
+        if steps > MAX_STEPS:
+            raise RuntimeError(f"warm-up did not finish in {MAX_STEPS} steps")
+    errors = [o.error for o in outputs if o.error is not None]
+    if errors:
+        raise RuntimeError(f"warm-up request failed: {errors[0]!r}") from errors[0]
+    core.tree_cache.reset()
+    core.tree_cache.drain_events()
+    scheduler.reset_stats()
+    alloc = runner.allocator
+    if alloc.available_size() != alloc.size:
+        raise RuntimeError(f"warm-up left {alloc.size - alloc.available_size()} KV slots in use")
+    return time.perf_counter() - start

@@ -1,0 +1,115 @@
+"""engine/core/warmup.py: the start-up warm-up runs real steps and leaves no trace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.core import warmup
+from engine.core.core import EngineCore
+from engine.models.source import resolve_model
+from engine_harness import assert_no_leak, make_engine, write_tiny_config
+
+
+def _core(folder, **overrides) -> EngineCore:
+    config = EngineConfig.from_kwargs(
+        model=folder,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        device="cpu",
+        dtype="float32",
+        max_total_tokens=8192,
+        enable_mixed_chunk=True,
+        enable_cache_events=True,
+        **overrides,
+    )
+    return EngineCore(config, resolve_model(folder))
+
+
+def test_warm_up_runs_an_eager_prefill_and_a_mixed_step_over_a_cached_prefix_then_clears_everything(
+    tmp_path, monkeypatch
+):
+    core = _core(write_tiny_config(tmp_path))
+    try:
+        seen = {}
+        reset = core.scheduler.reset_stats
+
+        def spy():
+            seen.update(core.scheduler.counters, hit=core.tree_cache.stats.matched_tokens)
+            reset()
+
+        monkeypatch.setattr(core.scheduler, "reset_stats", spy)
+        assert warmup.warm_up(core) > 0
+        assert seen["prefill_steps"] >= 2 and seen["mixed_steps"] >= 1  # A's prefill, then B's beside A's decode
+        assert seen["cached_tokens"] >= warmup.PROMPT_TOKENS  # B reused A's prompt from the radix cache
+        assert seen["generated_tokens"] == 8 and seen["finished"] == 2
+        stats = core.call_stats()
+        assert all(getattr(stats, k) == 0 for k in core.scheduler.counters), stats
+        assert stats.cache_hit_rate == 0 and stats.device_wait_s == 0 and core.tree_cache.stats.matched_tokens == 0
+        assert stats.kv_free_tokens == stats.kv_total_tokens and stats.kv_cached_tokens == 0
+        assert core.call_drain_cache_events() == []  # a router never hears of the warm-up prompts
+        assert core.take_outputs() == []  # nothing for a front end
+    finally:
+        core.close()
+
+
+def test_warm_up_fits_a_short_context(tmp_path):
+    core = _core(write_tiny_config(tmp_path, max_position_embeddings=96))
+    try:
+        warmup.warm_up(core)
+        assert core.call_stats().kv_free_tokens == core.call_stats().kv_total_tokens
+    finally:
+        core.close()
+
+
+def test_warm_up_is_for_cuda_only_and_servers_want_it():
+    from serving.__main__ import SERVER_DEFAULTS
+
+    assert SERVER_DEFAULTS["warmup"] is True and EngineConfig().warmup is False
+    assert not warmup.wanted(EngineConfig(warmup=True), torch.device("cpu"))
+    assert warmup.wanted(EngineConfig(warmup=True), torch.device("cuda"))
+    assert not warmup.wanted(EngineConfig(), torch.device("cuda"))
+
+
+def test_greedy_outputs_after_a_warm_up_are_those_of_a_cold_engine(tmp_path, monkeypatch):
+    folder = write_tiny_config(tmp_path)
+    prompts = [[(5 * i + j) % 300 for j in range(20 + 7 * i)] for i in range(6)]
+    params = dict(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    kwargs = dict(model=folder, load_format="dummy", skip_tokenizer_init=True, enable_mixed_chunk=True)
+    cold = make_engine(**kwargs)
+    try:
+        expected = [o.token_ids for o in cold.generate(prompts, params)]
+    finally:
+        cold.shutdown()
+    monkeypatch.setattr(warmup, "wanted", lambda config, device: config.warmup)  # the CPU too
+    warm = make_engine(warmup=True, **kwargs)
+    try:
+        stats = warm.stats()
+        assert stats.prompt_tokens == 0 and stats.kv_free_tokens == stats.kv_total_tokens  # warmed, no trace
+        assert [o.token_ids for o in warm.generate(prompts, params)] == expected
+        assert_no_leak(warm)
+    finally:
+        warm.shutdown()
+
+
+@pytest.mark.gpu
+def test_gpu_warm_up_leaves_greedy_outputs_and_counters_as_a_cold_engine():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("flashinfer")
+    from engine_harness import PROMPTS
+
+    params = dict(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+    runs = []
+    for flag in (False, True):
+        engine = make_engine(device="cuda", dtype="bfloat16", enable_mixed_chunk=True, warmup=flag)
+        try:
+            stats = engine.stats()
+            assert stats.prompt_tokens == 0 and stats.device_busy_s == 0
+            assert stats.kv_free_tokens == stats.kv_total_tokens
+            runs.append([o.token_ids for o in engine.generate(PROMPTS, params)])
+        finally:
+            engine.shutdown()
+            torch.cuda.empty_cache()
+    assert runs[0] == runs[1]
