@@ -193,8 +193,8 @@ class EngineConfig:
         default=False,
         metadata={
             "help": (
-                "CUDA: before taking requests, run two short requests (a prefill, then a mixed step with a cached"
-                " prefix and sampling) so that kernels which compile on first use (FlashInfer's prefill module,"
+                "CUDA: before taking requests, run three short requests (eager prefill and mixed steps, a cached"
+                " prefix, sampling) so that kernels which compile on first use (FlashInfer's prefill module,"
                 " Triton kernels of eager steps and sampling) compile at start-up, not in the first user's"
                 " request; the cache and counters are then cleared (engine/core/warmup.py). Servers: on."
             )

@@ -6,11 +6,15 @@ the shapes of eager prefill and mixed steps and for sampling with temperature / 
 capture at start-up covers only decode steps and the non-attention work of small prefill steps. Without a
 warm-up the first request a server takes waits for those builds.
 
-`warm_up` runs two requests through the scheduler, as requests from a user would run:
+`warm_up` runs three requests through the scheduler, as requests from a user would run:
 
-    A  a prompt longer than the piecewise-graph limit (an eager prefill), greedy, 4 tokens
-    B  A's prompt + a few more tokens, once A is decoding: a mixed step (B's prefill beside A's decode)
-       over A's cached prefix, sampled with temperature, top-p and top-k
+    A  a prompt longer than the piecewise-graph limit, greedy, 4 tokens: an eager prefill of 600 tokens
+    B  A's prompt + 40 tokens, sampled with temperature, top-p and top-k, and
+    C  a new prompt of 599 tokens, greedy; both once A is decoding: with mixed chunks, one eager step of
+       640 tokens (A's decode, B's 40 beyond A's cached prefix, C's 599), then decode steps of three
+
+Triton specializes a kernel on whether its integer arguments are multiples of 16, so the two eager steps
+(600 and 640 tokens) compile both variants of the eager step's kernels.
 
 and then leaves nothing behind: their outputs go nowhere, the radix cache is emptied (its events are
 dropped, so a router never hears of these prompts) and the scheduler's counters and the device clock
@@ -33,7 +37,7 @@ if TYPE_CHECKING:  # pragma: no cover
 PROMPT_TOKENS = 600
 """Warm-up prompt A: above the default piecewise-graph limit (512), so its prefill runs eagerly."""
 EXTRA_TOKENS = 40
-"""B = A + this many tokens: a prefill small enough for the piecewise graphs."""
+"""B = A + this many tokens (C: PROMPT_TOKENS - 1, so that A's decode, B's and C's tokens make 640)."""
 MAX_STEPS = 10_000
 """A bound on the scheduler steps of the warm-up (it needs a few dozen)."""
 
@@ -47,21 +51,28 @@ def warm_up(core: "EngineCore") -> float:
     """Run the warm-up requests through `core`'s scheduler (its loop not started yet); returns seconds."""
     start = time.perf_counter()
     runner, scheduler = core.runner, core.scheduler
-    n = max(1, min(PROMPT_TOKENS, runner.context_len - EXTRA_TOKENS - 16, runner.allocator.size // 4))
+    n = max(2, min(PROMPT_TOKENS, runner.context_len - EXTRA_TOKENS - 16, runner.allocator.size // 8))
     extra = max(0, min(EXTRA_TOKENS, runner.context_len - n - 8))
-    prompt = [(7 + 31 * i) % runner.vocab_size for i in range(n + extra)]
+    vocab = runner.vocab_size
+    prompt = [(7 + 31 * i) % vocab for i in range(n + extra)]
     outputs: List[ReqOutput] = []
     greedy = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
-    top_k = min(50, runner.vocab_size)
-    sampled = SamplingParams(temperature=0.7, top_p=0.9, top_k=top_k, max_new_tokens=4, ignore_eos=True)
-    a = Req("warmup-a", prompt[:n], greedy, seed=0, eos_token_ids=frozenset(), on_output=outputs.append)
-    b = Req("warmup-b", prompt, sampled, seed=1, eos_token_ids=frozenset(), on_output=outputs.append)
+    sampled = SamplingParams(temperature=0.7, top_p=0.9, top_k=min(50, vocab), max_new_tokens=4, ignore_eos=True)
+
+    def req(name: str, ids: List[int], params: SamplingParams, seed: int) -> Req:
+        return Req(f"warmup-{name}", ids, params, seed=seed, eos_token_ids=frozenset(), on_output=outputs.append)
+
+    a = req("a", prompt[:n], greedy, 0)
+    later = [req("c", [(11 + 17 * i) % vocab for i in range(n - 1)], greedy, 2)]
+    if extra:
+        later.insert(0, req("b", prompt, sampled, 1))
     scheduler.add_request(a)
-    pending = [b] if extra else []
     steps = 0
-    while scheduler.has_work or pending:
-        if pending and a.output_ids:  # A decodes: B's prefill joins it in a mixed step
-            scheduler.add_request(pending.pop())
+    while scheduler.has_work or later:
+        if later and a.output_ids:  # A decodes: B and C are prefilled beside it (a mixed step)
+            for r in later:
+                scheduler.add_request(r)
+            later = []
         scheduler.step()
         steps += 1
         if steps > MAX_STEPS:

@@ -40,10 +40,20 @@ def test_warm_up_runs_an_eager_prefill_and_a_mixed_step_over_a_cached_prefix_the
             reset()
 
         monkeypatch.setattr(core.scheduler, "reset_stats", spy)
+        sizes = []
+        launch = core.runner.launch_batch
+
+        def launch_spy(batch, steps=None):
+            sizes.append(batch.forward_batch.num_tokens)
+            return launch(batch, steps)
+
+        monkeypatch.setattr(core.runner, "launch_batch", launch_spy)
         assert warmup.warm_up(core) > 0
-        assert seen["prefill_steps"] >= 2 and seen["mixed_steps"] >= 1  # A's prefill, then B's beside A's decode
+        assert sizes[0] == 600 and 640 in sizes  # eager steps of both kinds (T % 16 != 0, == 0)
+        assert set(sizes) <= {600, 640, 1, 2, 3}  # and decodes
+        assert seen["prefill_steps"] >= 2 and seen["mixed_steps"] >= 1  # B and C beside A's decode
         assert seen["cached_tokens"] >= warmup.PROMPT_TOKENS  # B reused A's prompt from the radix cache
-        assert seen["generated_tokens"] == 8 and seen["finished"] == 2
+        assert seen["generated_tokens"] == 12 and seen["finished"] == 3
         stats = core.call_stats()
         assert all(getattr(stats, k) == 0 for k in core.scheduler.counters), stats
         assert stats.cache_hit_rate == 0 and stats.device_wait_s == 0 and core.tree_cache.stats.matched_tokens == 0
