@@ -193,8 +193,15 @@ class EngineStats:
     time went to the host's own work (0 on the CPU, where the forward runs on the host)."""
     device_busy_s: float = 0.0
     """Seconds the device spent running the engine's steps since start, from CUDA events queued around each
-    step (engine/runner/device_clock.py); over a busy stretch, wall time minus this is time the device
-    waited for the host (0 on the CPU)."""
+    step (engine/runner/device_clock.py); it includes waits inside a step whose kernels the host queues
+    more slowly than the device runs them (0 on the CPU)."""
+    device_gap_decode_s: float = 0.0
+    """Seconds the device sat with nothing queued before decode steps launched back to back with the step
+    before: it waited for the host to plan and prepare them (0 on the CPU)."""
+    device_gap_mixed_s: float = 0.0
+    """The same, before mixed steps (prefill + decode rows)."""
+    device_gap_prefill_s: float = 0.0
+    """The same, before prefill steps without decode rows."""
 
     def as_dict(self) -> Dict[str, float]:
         """Every field by name (JSON bodies, Prometheus, the cluster's worker reports)."""

@@ -2,7 +2,8 @@
 
     last 10.0 s: prompt 24510 tok/s (cache hit 69.8%), generation 4390 tok/s; running 32, waiting 0;
     KV 3.1% used; steps 1712 (prefill 73, 61 of them mixed; decode 1639); longest step 58.3 ms;
-    waiting on the device 71%; device busy 97%
+    waiting on the device 71%; device busy 97%, idle between steps 2.1% (before decode 0.4%, mixed 1.6%,
+    prefill 0.1%)
 
 Rates are over the interval, from EngineStats' counters (the cache hit rate too: cached / prompt tokens of
 the interval). An interval starts with the first iteration that does work after the previous line or
@@ -11,8 +12,9 @@ did work (messages handled, one scheduler step launched, the previous one's resu
 of the loop, whatever its cause, shows there. "waiting on the device" is the share of the interval the
 loop spent blocked on a step's results (EngineStats.device_wait_s): near 0 on a GPU, the host is what
 bounds the steps; high, the device is. "device busy" (GPU only) is the share of the interval the device
-spent running steps (EngineStats.device_busy_s, from CUDA events around each step): below 100%, the device
-waited for the host between steps. An idle engine prints nothing.
+spent running steps, and "idle between steps" the share it had nothing queued while the host planned and
+prepared the next step, split by the kind of step it waited for (CUDA events around each step:
+engine/runner/device_clock.py, which says what each one counts). An idle engine prints nothing.
 
 Owned by EngineCore (its loop thread); not thread-safe.
 """
@@ -36,6 +38,9 @@ _RATES = (
     "decode_steps",
     "device_wait_s",
     "device_busy_s",
+    "device_gap_decode_s",
+    "device_gap_mixed_s",
+    "device_gap_prefill_s",
 )
 
 
@@ -81,7 +86,11 @@ class StatsLog:
             f"{delta['device_wait_s'] / elapsed:.0%}"
         )
         if delta["device_busy_s"] > 0:
-            text += f"; device busy {delta['device_busy_s'] / elapsed:.0%}"
+            gaps = {k: delta[f"device_gap_{k}_s"] / elapsed for k in ("decode", "mixed", "prefill")}
+            text += (
+                f"; device busy {delta['device_busy_s'] / elapsed:.0%}, idle between steps {sum(gaps.values()):.1%}"
+                f" (before decode {gaps['decode']:.1%}, mixed {gaps['mixed']:.1%}, prefill {gaps['prefill']:.1%})"
+            )
         self._since, self._last, self._longest_s, self._busy = now, stats, 0.0, False
         return text
 

@@ -310,7 +310,7 @@ class ModelRunner:
         else:
             with self.tp.guard():
                 launched = self._launch(batch, steps)
-        self.device_clock.stop(started)
+        self.device_clock.stop(started, _step_kind(batch))
         return launched
 
     def forward_hidden(self, fb) -> torch.Tensor:
@@ -445,6 +445,13 @@ class ModelRunner:
                     logger.warning("tensor-parallel ranks did not stop cleanly: killing them", exc_info=True)
             tp.processes.kill()
         tp.close()
+
+
+def _step_kind(batch) -> str:
+    """DeviceClock's kind of a batch: "decode", "mixed" (an EXTEND batch with decode rows) or "prefill"."""
+    if batch.forward_batch.forward_mode is ForwardMode.DECODE:
+        return "decode"
+    return "mixed" if batch.num_decode else "prefill"
 
 
 def _param_count(cfg) -> int:

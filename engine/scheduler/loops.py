@@ -117,6 +117,7 @@ class SerialLoop:
         reserved = s.reserve_receives()
         batch = s.next_batch()
         if batch is None:
+            s.runner.device_clock.break_chain()
             return reserved
         batch.prepare(s.kv, s.runner.device)
         result = s.runner.run_batch(batch)
@@ -144,6 +145,7 @@ class OverlapLoop:
         reserved = s.reserve_receives()
         batch = s.next_batch()
         if batch is None:  # nothing to overlap with: finish the batch in flight now
+            s.runner.device_clock.break_chain()  # the device's wait for the next batch is no gap
             return self._process_inflight() or reserved or synced
         previous, self.inflight = self.inflight, self._launch(batch)
         if previous is not None:

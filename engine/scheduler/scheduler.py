@@ -295,5 +295,6 @@ class Scheduler:
             cache_hit_rate=(self.counters["cached_tokens"] / prompt) if prompt else 0.0,
             device_wait_s=self.device_wait_s,
             device_busy_s=self.runner.device_clock.busy_s(),
+            **{f"device_gap_{kind}_s": seconds for kind, seconds in self.runner.device_clock.gap_s().items()},
             **self.counters,
         )

@@ -61,11 +61,14 @@ def test_a_line_per_busy_interval_with_the_interval_rates():
         decode_steps=28,
         device_wait_s=16.0,
         device_busy_s=9.5,
+        device_gap_decode_s=0.1,
+        device_gap_mixed_s=0.25,
     )
     line = log.line(second)  # rates, hit rate and device share of this interval only
     assert "last 10.0 s: prompt 100 tok/s (cache hit 90.0%), generation 50 tok/s" in line
     assert "steps 25 (prefill 5, 5 of them mixed; decode 20); longest step 10.0 ms; waiting on the device 10%" in line
-    assert line.endswith("; device busy 95%")  # a GPU's share busy; no such part when it did not move (the CPU)
+    # a GPU's busy and idle shares; no such part when they did not move (the CPU)
+    assert line.endswith("; device busy 95%, idle between steps 3.5% (before decode 1.0%, mixed 2.5%, prefill 0.0%)")
 
 
 def test_interval_must_be_positive_and_config_bounds():
@@ -112,12 +115,64 @@ def test_device_clock_on_the_cpu_records_nothing():
     clock = DeviceClock(torch.device("cpu"))
     started = clock.start()
     assert started is None
-    clock.stop(started)
-    assert clock.busy_s() == 0.0
+    clock.stop(started, "decode")
+    assert clock.busy_s() == 0.0 and clock.gap_s() == {"decode": 0.0, "prefill": 0.0, "mixed": 0.0}
+
+
+def test_device_clock_bookkeeping_with_events_on_a_fake_device_timeline(monkeypatch):
+    """Busy = Σ start → stop; a gap = previous stop → start, counted for steps launched back to back, by kind;
+    steps are collected in stream order, only once finished."""
+    import torch
+
+    from engine.runner import device_clock
+    from engine.runner.device_clock import DeviceClock
+
+    timeline = {"now": 0.0, "finishes": True}
+
+    class Event:  # a CUDA event on a fake device: it completes at the time set when it is recorded
+        def __init__(self, enable_timing=False):
+            self.at, self.done = None, False
+
+        def record(self):
+            self.at, self.done = timeline["now"], timeline["finishes"]
+
+        def query(self):
+            return self.done
+
+        def elapsed_time(self, end):
+            return (end.at - self.at) * 1e3
+
+    monkeypatch.setattr(device_clock.torch.cuda, "Event", Event)
+    clock = DeviceClock(torch.device("cpu"))
+    clock.enabled = True
+
+    def step(kind, begin, end):
+        timeline["now"] = begin
+        started = clock.start()
+        timeline["now"] = end
+        clock.stop(started, kind)
+
+    step("prefill", 0.0, 1.0)
+    step("decode", 1.0, 1.5)  # back to back: no gap
+    step("mixed", 1.75, 2.75)  # 0.25 s gap before a mixed step
+    clock.break_chain()
+    step("decode", 10.0, 10.5)  # after the scheduler had nothing to do: no gap
+    step("decode", 10.6, 11.0)  # 0.1 s gap before a decode step
+    assert clock.busy_s() == pytest.approx(1.0 + 0.5 + 1.0 + 0.5 + 0.4)
+    assert clock.gap_s() == pytest.approx({"prefill": 0.0, "decode": 0.1, "mixed": 0.25})
+    timeline["now"] = 12.0
+    started = clock.start()
+    timeline["now"], timeline["finishes"] = 13.0, False
+    clock.stop(started, "decode")  # still running on the device: not collected yet
+    assert clock.busy_s() == pytest.approx(3.4)
+    clock._pending[-1].stop.done = True
+    assert clock.busy_s() == pytest.approx(4.4) and clock.gap_s()["decode"] == pytest.approx(1.1)
+    with pytest.raises(ValueError, match="kind"):
+        clock.stop(clock.start(), "extend")
 
 
 @pytest.mark.gpu
-def test_device_clock_sums_the_device_time_of_its_steps():
+def test_device_clock_sums_step_time_and_the_gaps_between_steps_launched_back_to_back():
     import time
 
     import torch
@@ -128,15 +183,26 @@ def test_device_clock_sums_the_device_time_of_its_steps():
         pytest.skip("needs CUDA")
     a = torch.randn(4096, 4096, device="cuda")
     clock = DeviceClock(torch.device("cuda"))
-    t0 = time.perf_counter()
-    for _ in range(3):
+
+    def step(kind):
+        nonlocal a
         started = clock.start()
         for _ in range(20):
-            a = a @ a / 64
-        clock.stop(started)
+            a = torch.tanh(a @ a)
+        clock.stop(started, kind)
         torch.cuda.synchronize()
-        time.sleep(0.05)  # the device idles between steps: not counted
+
+    t0 = time.perf_counter()
+    step("prefill")
+    time.sleep(0.05)  # the host is late: the device waits 50 ms before the next step, a gap
+    step("mixed")
+    clock.break_chain()  # then the scheduler had nothing to launch: the wait before the next step is no gap
+    time.sleep(0.2)
+    step("decode")
     wall = time.perf_counter() - t0
-    busy = clock.busy_s()
-    assert 0 < busy < wall - 3 * 0.05
+    busy, gaps = clock.busy_s(), clock.gap_s()
+    assert 0 < busy < wall
+    assert gaps["mixed"] >= 0.05 and gaps["decode"] == 0 and gaps["prefill"] == 0
     assert not clock._pending  # every finished step collected
+    clock.reset()
+    assert clock.busy_s() == 0 and sum(clock.gap_s().values()) == 0
