@@ -75,6 +75,8 @@ class TokenToKVPoolAllocator:
         nothing, when the pool is short.
         """
         ps = self.page_size
+        if ps == 1:  # every slot is a page of its own: the pages, in request order, are the slots
+            return self.alloc_pages(sum(s - p for p, s in zip(prefix_lens, seq_lens)))
         in_page, new_pages = [], []
         for p, s in zip(prefix_lens, seq_lens):
             room = (ps - p % ps) % ps

@@ -103,10 +103,14 @@ class KVCacheManager:
         out = self.allocator.alloc_extend(prefix, seq, self._last_locs(reqs))
         if out is None:
             return None
-        start = 0
-        for r in reqs:
-            self.req_to_token_pool.write(r.req_pool_idx, r.kv_len, out[start : start + r.extend_len])
-            start += r.extend_len
+        # One write for the whole batch (a mixed step has a request per decode row): request i's slots are
+        # out[first_i : first_i + extend_len_i], for columns kv_len_i, kv_len_i + 1, ...
+        lens = torch.tensor([r.extend_len for r in reqs], dtype=torch.int64)
+        first = torch.cumsum(lens, 0) - lens
+        shift = torch.tensor(prefix, dtype=torch.int64) - first
+        rows = torch.repeat_interleave(torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64), lens)
+        cols = torch.arange(out.numel(), dtype=torch.int64) + torch.repeat_interleave(shift, lens)
+        self.req_to_token_pool.write_positions(rows, cols, out)
         return out
 
     def alloc_decode(self, reqs: List[Req]) -> Optional[torch.Tensor]:

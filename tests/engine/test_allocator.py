@@ -91,3 +91,37 @@ def test_kv_pool_is_token_major_with_per_layer_views():
     # Slot s's row holds layer l's K at [l*16, l*16+8) and V right after it.
     assert torch.equal(rows[4, 16:24].view(2, 4), k[0]) and torch.equal(rows[2, 24:32].view(2, 4), v[1])
     assert not rows[[0, 1, 3, 5]].any()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_kv_manager_alloc_extend_records_every_request_row_in_one_write(page_size):
+    """A mixed batch: requests with cached prefixes (a decode row is one token past its prefix) and a new
+    prompt; each row of the table gets its own slots, at its own columns, and nothing else moves."""
+    from types import SimpleNamespace
+
+    from engine.memory.kv_cache_manager import KVCacheManager
+    from engine.memory.radix_cache import RadixCache
+
+    alloc = TokenToKVPoolAllocator(256, page_size=page_size)
+    pool = ReqToTokenPool(8, 64, torch.device("cpu"))
+    kv = KVCacheManager(pool, alloc, RadixCache(alloc, page_size=page_size), page_size, False)
+    reqs = []
+    for row, (kv_len, extend_len) in enumerate([(0, 9), (0, 3), (0, 6)]):
+        req = SimpleNamespace(req_pool_idx=pool.alloc(), kv_len=kv_len, extend_len=extend_len)
+        req.slots = kv.alloc_extend([req])
+        req.kv_len, reqs = extend_len, reqs + [req]
+    before = pool.host.clone()
+    reqs[0].extend_len, reqs[1].extend_len, reqs[2].extend_len = 1, 1, 5  # two decode rows, one chunk
+    fresh = SimpleNamespace(req_pool_idx=pool.alloc(), kv_len=0, extend_len=7)
+    batch = reqs + [fresh]
+    out = kv.alloc_extend(batch)
+    assert out.numel() == 1 + 1 + 5 + 7 and len(set(out.tolist())) == out.numel()
+    start, changed = 0, torch.zeros_like(pool.host, dtype=torch.bool)
+    for r in batch:
+        cols = slice(r.kv_len, r.kv_len + r.extend_len)
+        assert pool.host[r.req_pool_idx, cols].tolist() == out[start : start + r.extend_len].tolist()
+        changed[r.req_pool_idx, cols] = True
+        start += r.extend_len
+    assert torch.equal(pool.host[~changed], before[~changed])  # earlier positions and other rows untouched
+    if page_size > 1:  # a request whose prefix ends inside a page continues that page
+        assert int(pool.host[reqs[0].req_pool_idx, 9]) == int(reqs[0].slots[-1]) + 1
