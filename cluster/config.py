@@ -71,9 +71,10 @@ class PoolAutoscaling(BaseModel):
         return self
 
 
-_NOT_EXPOSED = {"model", "enable_cache_events", "skip_tokenizer_init", "detokenize"}
+_NOT_EXPOSED = {"model", "enable_cache_events", "skip_tokenizer_init", "detokenize", "profile_dir"}
 """EngineConfig fields set by the cluster itself: workers stream token ids (detokenize=False; the ingress
-makes the text) and keep their tokenizer for structured output."""
+makes the text) and keep their tokenizer for structured output; profiling is the single-node server's
+(POST /start_profile), not yet the cluster's."""
 
 
 def default_ingress_replicas(cpus: float) -> int:

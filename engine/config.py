@@ -200,6 +200,16 @@ class EngineConfig:
             )
         },
     )
+    profile_dir: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": (
+                "Folder for torch profiler traces of the scheduler's loop, recorded between"
+                " Engine.start_profile and stop_profile (servers: POST /start_profile, /stop_profile);"
+                " None: profiling is off."
+            )
+        },
+    )
     enable_cache_events: bool = field(
         default=False,
         metadata={

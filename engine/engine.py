@@ -312,6 +312,21 @@ class Engine:
     async def drain_cache_events_async(self) -> list:
         return await self.core.call_async("drain_cache_events")
 
+    def start_profile(self, num_steps: Optional[int] = None) -> str:
+        """Start a torch profiler trace of the scheduler's loop (needs profile_dir); with `num_steps` it stops
+        by itself after that many steps. Returns the trace's path (engine/profiling.py)."""
+        return self.core.call("start_profile", num_steps)
+
+    async def start_profile_async(self, num_steps: Optional[int] = None) -> str:
+        return await self.core.call_async("start_profile", num_steps)
+
+    def stop_profile(self) -> str:
+        """Stop the profile and write its trace; returns the path."""
+        return self.core.call("stop_profile")
+
+    async def stop_profile_async(self) -> str:
+        return await self.core.call_async("stop_profile")
+
     def flush_cache(self) -> None:
         """Drop every unlocked cached prefix (for benchmarks)."""
         self.core.call("flush_cache")

@@ -20,7 +20,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serving import anthropic, generate_routes, openai_routes, responses
+from serving import anthropic, generate_routes, openai_routes, profile_routes, responses
 from serving.admission import AdmissionGate
 from serving.backend import ServingBackend
 from serving.errors import error_response, install_error_handlers
@@ -82,6 +82,7 @@ def build_app(
     app.include_router(generate_routes.router)
     app.include_router(responses.router)
     app.include_router(anthropic.router)
+    app.include_router(profile_routes.router)
     app.state.response_store = response_store if response_store is not None else LocalResponseStore()
     app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
     app.add_middleware(AdmissionGate, backend=backend)  # before a body is read: a burst's excess is refused first

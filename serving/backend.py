@@ -20,6 +20,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, List, Optional
 
+from engine.profiling import ProfileError
 from engine.sampling_params import SamplingParams
 
 
@@ -51,6 +52,15 @@ class ServingBackend(abc.ABC):
     @abc.abstractmethod
     def generate_stream(self, input_ids: List[int], params: SamplingParams, rid: str) -> AsyncIterator[Any]:
         """An async iterator of StreamOutput (see the module docstring for the contract)."""
+
+    async def start_profile(self, num_steps: Optional[int]) -> str:
+        """Start a profiler trace of what runs the model; returns the trace's path (engine.profiling.ProfileError
+        when this backend cannot)."""
+        raise ProfileError("profiling is not supported by this server")
+
+    async def stop_profile(self) -> str:
+        """Stop the trace and write it; returns its path."""
+        raise ProfileError("profiling is not supported by this server")
 
     def admission_limit(self) -> Optional[int]:
         """Most generation requests one app over this backend may hold at once, or None (no limit known; the
@@ -94,6 +104,12 @@ class EngineBackend(ServingBackend):
 
     def abort(self, rid: str) -> None:
         self.engine.abort(rid)
+
+    async def start_profile(self, num_steps: Optional[int]) -> str:
+        return await self.engine.start_profile_async(num_steps)
+
+    async def stop_profile(self) -> str:
+        return await self.engine.stop_profile_async()
 
     async def stats(self) -> ServingLoad:
         s = await self.engine.stats_async()

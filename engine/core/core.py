@@ -41,6 +41,7 @@ from engine.errors import EngineDeadError, InvalidConfigError, InvalidRequestErr
 from engine.memory.kv_cache_manager import KVCacheManager
 from engine.memory.radix_cache import RadixCache
 from engine.models.source import ModelSource
+from engine.profiling import ProfileError, StepProfiler
 from engine.outputs import EngineStats, FinishReason, ReqOutput
 from engine.request import Req
 from engine.runner.grammar import GrammarCompiler, GrammarState, grammar_key
@@ -83,6 +84,7 @@ class EngineCore:
         except BaseException:
             self.runner.close()  # tensor parallelism: the other ranks must not outlive a failed start
             raise
+        self.profiler = StepProfiler(config.profile_dir, self.runner.device) if config.profile_dir else None
         self._outputs: List[ReqOutput] = []
         self._compiling: List[_Compiling] = []
         self._compile_pool: Optional[ThreadPoolExecutor] = None
@@ -145,6 +147,8 @@ class EngineCore:
             did_work = self.step()
             if self._outputs:
                 send(StepOutputs(self.take_outputs()))
+            if did_work and self.profiler is not None:
+                self.profiler.after_step()
             if stats_log is not None:
                 if did_work:
                     stats_log.iteration(time.perf_counter() - start)
@@ -268,6 +272,19 @@ class EngineCore:
     def call_drain_cache_events(self) -> list:
         """Radix-cache insert/evict events since the last call (needs enable_cache_events=True)."""
         return self.tree_cache.drain_events()
+
+    def call_start_profile(self, num_steps: Optional[int] = None) -> str:
+        """Start a torch profiler trace of the loop (stopping by itself after `num_steps` steps with work, if
+        given); returns the trace's path. ProfileError when profiling is off or a profile already records."""
+        if self.profiler is None:
+            raise ProfileError("profiling is off: set profile_dir (servers: --profile-dir)")
+        return self.profiler.start(num_steps)
+
+    def call_stop_profile(self) -> str:
+        """Stop the profile and write its trace; returns the path."""
+        if self.profiler is None:
+            raise ProfileError("profiling is off: set profile_dir (servers: --profile-dir)")
+        return self.profiler.stop()
 
     def call_flush_cache(self) -> None:
         """Drop every unlocked cached prefix (for benchmarks)."""

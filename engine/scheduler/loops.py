@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 import torch
 
 from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.profiling import label
 from engine.request import Req
 from engine.runner.batch_result import LaunchedBatch
 from engine.scheduler.schedule_batch import ScheduleBatch
@@ -113,16 +114,22 @@ class SerialLoop:
     def step(self) -> bool:
         """Run one batch. False when there was nothing to do."""
         s = self.s
-        s.process_aborts()
-        reserved = s.reserve_receives()
-        batch = s.next_batch()
+        with label("plan"):
+            s.process_aborts()
+            reserved = s.reserve_receives()
+            batch = s.next_batch()
         if batch is None:
             s.runner.device_clock.break_chain()
             return reserved
-        batch.prepare(s.kv, s.runner.device)
-        result = s.runner.run_batch(batch)
-        s.commit_forward(batch)
-        s.process_tokens(batch, result)
+        with label("prepare"):
+            batch.prepare(s.kv, s.runner.device)
+        with label("launch"):
+            launched = s.runner.launch_batch(batch)
+        with label("resolve"):
+            result = launched.resolve()
+        with label("process"):
+            s.commit_forward(batch)
+            s.process_tokens(batch, result)
         return True
 
 
@@ -141,29 +148,32 @@ class OverlapLoop:
         """Plan and launch one batch, then process the previous one. False when there was nothing to do."""
         s = self.s
         synced = self.inflight is not None and self.inflight.sync and self._process_inflight()
-        s.process_aborts()
-        reserved = s.reserve_receives()
-        batch = s.next_batch()
+        with label("plan"):
+            s.process_aborts()
+            reserved = s.reserve_receives()
+            batch = s.next_batch()
         if batch is None:  # nothing to overlap with: finish the batch in flight now
             s.runner.device_clock.break_chain()  # the device's wait for the next batch is no gap
             return self._process_inflight() or reserved or synced
         previous, self.inflight = self.inflight, self._launch(batch)
         if previous is not None:
-            s.process_tokens(previous.batch, previous.launched.resolve())
+            self._process(previous)
         return True
 
     def _launch(self, batch: ScheduleBatch) -> InFlight:
         s = self.s
         futures = self.inflight.futures if self.inflight is not None else None
-        batch.prepare(s.kv, s.runner.device)
-        if futures is not None:
-            # Decode rows come first in a mixed EXTEND batch, one token each: rows 0..d-1 as in DECODE.
-            decoding = batch.reqs if batch.mode is ForwardMode.DECODE else batch.decode_reqs
-            futures.resolve_inputs(batch.forward_batch, decoding)
-            if batch.mode is ForwardMode.EXTEND and any(futures.has(r) for r in batch.prefill_reqs):
-                raise RuntimeError("a prefill planned for a request whose token is in flight (scheduler bug)")
+        with label("prepare"):
+            batch.prepare(s.kv, s.runner.device)
+            if futures is not None:
+                # Decode rows come first in a mixed EXTEND batch, one token each: rows 0..d-1 as in DECODE.
+                decoding = batch.reqs if batch.mode is ForwardMode.DECODE else batch.decode_reqs
+                futures.resolve_inputs(batch.forward_batch, decoding)
+                if batch.mode is ForwardMode.EXTEND and any(futures.has(r) for r in batch.prefill_reqs):
+                    raise RuntimeError("a prefill planned for a request whose token is in flight (scheduler bug)")
         steps = [len(r.output_ids) + (futures is not None and futures.has(r)) for r in batch.sampled_reqs]
-        launched = s.runner.launch_batch(batch, steps)
+        with label("launch"):
+            launched = s.runner.launch_batch(batch, steps)
         s.commit_forward(batch)
         detached = []
         if batch.mode is ForwardMode.EXTEND:
@@ -177,5 +187,12 @@ class OverlapLoop:
         inflight, self.inflight = self.inflight, None
         if inflight is None:
             return False
-        self.s.process_tokens(inflight.batch, inflight.launched.resolve())
+        self._process(inflight)
         return True
+
+    def _process(self, inflight: InFlight) -> None:
+        """Wait for a launched batch's results and process them."""
+        with label("resolve"):
+            result = inflight.launched.resolve()
+        with label("process"):
+            self.s.process_tokens(inflight.batch, result)
