@@ -62,6 +62,8 @@ ITL p50, their ratios and whether they agree within 5%, and both clients' mean p
 words, ~1 token each; vLLM's random dataset decodes random token ids to text, which the server
 tokenizes again).
 
+--torch-profile serving:WORKLOAD runs that workload once more with a torch profiler trace of the engine
+(POST /start_profile, --torch-profile-steps steps) and reports where the device sat idle (trace_gaps.py).
 --profile SERVER:WORKLOAD with --py-spy PATH runs that workload once more after its measured run
 with `py-spy record` (all threads, and the GIL holder) and one `py-spy dump` attached to the server
 process (serving / serving-switch); the raw stacks go beside the logs, the run is not in the table.
@@ -598,6 +600,8 @@ class ServingServer(Server):
         argv = ["--served-model-name", SERVED_NAME, "--port", str(self.port)]
         if self.args.model_dir:
             argv = ["--model", os.path.abspath(self.args.model_dir), "--load-format", "dummy"] + argv
+        if any(server == "serving" for server, _ in pairs(self.args.torch_profile, "--torch-profile")):
+            argv += ["--profile-dir", os.path.join(self.log_dir, "traces")]
         return argv + shlex.split(self.args.serving_args)
 
     def command(self) -> List[str]:
@@ -995,6 +999,52 @@ def profile(args, server: Server, workload: str, counts: Dict[str, int], log_dir
     return out
 
 
+# --- torch profiler trace of python -m serving's engine during one workload ---------------------
+
+
+def torch_profile(args, server: Server, workload: str, counts: Dict[str, int]) -> Dict[str, Any]:
+    """Run the workload once more (its own prompts) and, --torch-profile-delay s into it, record
+    --torch-profile-steps engine steps (POST /start_profile); then where the device sat idle (trace_gaps.py)."""
+    import threading
+
+    import httpx
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import trace_gaps
+
+    argv = workload_argv(workload, counts, args.workload_args) + ["--seed", str(200 + workload_seed(workload))]
+    result: Dict[str, Any] = {}
+
+    def load() -> None:
+        try:
+            result["summary"] = run_workload(argv, server.base_url, args.workload_timeout)
+        except Exception as exc:  # noqa: BLE001
+            result["error"] = f"{type(exc).__name__}: {exc}"
+
+    t = threading.Thread(target=load)
+    t.start()
+    time.sleep(args.torch_profile_delay)
+    with httpx.Client(base_url=server.base_url, timeout=120) as c:
+        started = c.post("/start_profile", json={"num_steps": args.torch_profile_steps})
+        started.raise_for_status()
+        path = started.json()["trace"]
+        t.join()
+        if not os.path.exists(path):  # the workload ended before the steps ran out
+            c.post("/stop_profile")
+    out: Dict[str, Any] = {"workload": workload, "steps": args.torch_profile_steps, "trace": path}
+    deadline = time.time() + 60
+    while not os.path.exists(path) and time.time() < deadline:
+        time.sleep(0.2)
+    try:
+        out["gaps"] = trace_gaps.analyze(trace_gaps.load_events(path))
+    except ValueError as exc:  # no device events: a CPU server
+        out["gaps"] = {"error": str(exc)}
+    out["profiled_run"] = (
+        {k: lookup(result.get("summary", {}), k) for k in SUMMARY_KEYS} if "summary" in result else result
+    )
+    return out
+
+
 # --- the bare engine (a child process, no HTTP) ---------------------------------------------------
 
 
@@ -1217,6 +1267,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--crosscheck-timeout", type=float, default=300)
     p.add_argument("--profile", nargs="*", default=[], metavar="SERVER:WORKLOAD")
     p.add_argument("--py-spy", default=None, help="py-spy binary (for --profile)")
+    p.add_argument(
+        "--torch-profile",
+        nargs="*",
+        default=[],
+        metavar="serving:WORKLOAD",
+        help="after that workload's measured run, run it again with a torch profiler trace of the engine "
+        "(python -m serving --profile-dir), and report where the device sat idle (trace_gaps.py)",
+    )
+    p.add_argument("--torch-profile-delay", type=float, default=3.0, help="seconds into the run to start")
+    p.add_argument("--torch-profile-steps", type=int, default=300, help="engine steps to record")
     p.add_argument("--py-spy-rate", type=int, default=200)
     p.add_argument("--py-spy-duration", type=int, default=15)
     p.add_argument("--start-timeout", type=float, default=420)
@@ -1249,6 +1309,9 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     signal.signal(signal.SIGTERM, terminate)
     checks, profiles = pairs(args.crosscheck, "--crosscheck"), pairs(args.profile, "--profile")
+    torch_profiles = pairs(args.torch_profile, "--torch-profile")
+    if any(server != "serving" for server, _ in torch_profiles):
+        raise SystemExit("--torch-profile: only python -m serving records engine traces (serving:WORKLOAD)")
     log_dir = os.path.abspath(args.log_dir or tempfile.mkdtemp(prefix="bench-online-"))
     os.makedirs(log_dir, exist_ok=True)
     hw = machine_info()
@@ -1358,6 +1421,15 @@ def main(argv: Optional[List[str]] = None) -> None:
                         record["profiles"][key] = profile(args, server, w, counts, log_dir)
                     except Exception as exc:  # noqa: BLE001
                         record["profiles"][key] = {"error": f"{type(exc).__name__}: {exc}"}
+                if (name, w) in torch_profiles:
+                    key = f"{name}:{w}"
+                    try:
+                        traced = torch_profile(args, server, w, counts)
+                        record.setdefault("torch_profiles", {})[key] = traced
+                        gaps = {k: v for k, v in traced["gaps"].items() if k != "largest_gaps"}
+                        print(f"torch profile {key}: {json.dumps(gaps)}", flush=True)
+                    except Exception as exc:  # noqa: BLE001
+                        record.setdefault("torch_profiles", {})[key] = {"error": f"{type(exc).__name__}: {exc}"}
                 save()
         except Exception as exc:  # noqa: BLE001 - a server that fails to start leaves the others to run
             run["error"] = f"{type(exc).__name__}: {exc}"

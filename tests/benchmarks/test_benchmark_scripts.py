@@ -38,6 +38,7 @@ def run_script(name, *args):
         "bench_overlap.py",
         "bench_gemv.py",
         "bench_frontend.py",
+        "trace_gaps.py",
         "bench_online.py",
         "bench_tp.py",
         "bench_allreduce.py",
@@ -368,3 +369,42 @@ def test_bench_mixed_step_batches_are_the_schedulers_mixed_steps(tmp_path):
         alone = bench.launch(decode).tolist()
         together = bench.launch(mixed).tolist()
     assert len(together) == 5 and together[:3] == alone
+
+
+def test_trace_gaps_attributes_idle_device_time_to_the_loop_stages(tmp_path):
+    """A fabricated trace: kernels 0-100, 100-200 (back to back), 260-300, 1000-1010 (µs), host stages over the
+    gaps: the 60 µs gap half under `process`, half under `plan`; the 700 µs gap under `prepare` for 500 µs."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import gzip
+
+    import trace_gaps
+
+    def x(cat, name, ts, dur):
+        return dict(ph="X", cat=cat, name=name, ts=ts, dur=dur, pid=1, tid=1)
+
+    events = [
+        x("kernel", "gemm", 0, 100),
+        x("kernel", "gemm", 100, 100),
+        x("gpu_memcpy", "copy", 260, 40),
+        x("kernel", "attn", 1000, 10),
+        x("user_annotation", "process", 170, 60),
+        x("user_annotation", "plan", 230, 70),
+        x("user_annotation", "prepare", 400, 500),
+        x("cpu_op", "aten::mm", 150, 900),  # not a stage: ignored
+    ]
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    r = trace_gaps.analyze(trace_gaps.load_events(str(path)), min_gap_us=50)
+    assert r["window_ms"] == 1.01 and r["device_busy_ms"] == 0.25 and r["idle_ms"] == 0.76
+    assert r["large_gaps"] == 2 and r["small_gaps"] == 0
+    by_stage = r["large_gap_idle_by_stage_ms"]
+    assert by_stage["process"] == 0.03 and by_stage["plan"] == 0.03 and by_stage["prepare"] == 0.5
+    assert by_stage[trace_gaps.OUTSIDE] == 0.2
+    assert [g["idle_us"] for g in r["largest_gaps"]] == [700.0, 60.0]
+    out = tmp_path / "gaps.json"
+    done = run_script("trace_gaps.py", str(path), "--min-gap-us", "50", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(out.read_text())["large_gaps"] == 2 and "prepare" in done.stdout
+    with pytest.raises(ValueError, match="no device events"):
+        trace_gaps.analyze([x("user_annotation", "plan", 0, 10)])
