@@ -93,7 +93,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import httpx
 
@@ -964,18 +964,7 @@ def profile(args, server: Server, workload: str, counts: Dict[str, int], log_dir
         log = open(os.path.join(log_dir, f"pyspy_{tag}_{kind}.log"), "w")
         records.append((kind, path, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), cmd))
     out: Dict[str, Any] = {"workload": workload, "pid": pid, "commands": [shlex.join(r[3]) for r in records]}
-    result: Dict[str, Any] = {}
-
-    def load() -> None:
-        try:
-            result["summary"] = run_workload(argv, server.base_url, args.workload_timeout)
-        except Exception as exc:  # noqa: BLE001
-            result["error"] = f"{type(exc).__name__}: {exc}"
-
-    import threading
-
-    t = threading.Thread(target=load)
-    t.start()
+    t, result = _run_in_background(args, server, argv)
     time.sleep(min(5.0, args.py_spy_duration / 2))
     dump = subprocess.run([args.py_spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60)
     with open(os.path.join(log_dir, f"pyspy_{tag}_dump.txt"), "w") as f:
@@ -993,26 +982,15 @@ def profile(args, server: Server, workload: str, counts: Dict[str, int], log_dir
             "file": os.path.basename(path),
             "exists": os.path.exists(path),
         }
-    out["profiled_run"] = (
-        {k: lookup(result.get("summary", {}), k) for k in SUMMARY_KEYS} if "summary" in result else result
-    )
+    out["profiled_run"] = _summary_of(result)
     return out
 
 
-# --- torch profiler trace of python -m serving's engine during one workload ---------------------
-
-
-def torch_profile(args, server: Server, workload: str, counts: Dict[str, int]) -> Dict[str, Any]:
-    """Run the workload once more (its own prompts) and, --torch-profile-delay s into it, record
-    --torch-profile-steps engine steps (POST /start_profile); then where the device sat idle (trace_gaps.py)."""
+def _run_in_background(args, server: Server, argv: List[str]) -> Tuple[Any, Dict[str, Any]]:
+    """Start bench_serving's workload `argv` against `server` on a thread; its result dict fills in when
+    it ends (`summary`, or `error`)."""
     import threading
 
-    import httpx
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import trace_gaps
-
-    argv = workload_argv(workload, counts, args.workload_args) + ["--seed", str(200 + workload_seed(workload))]
     result: Dict[str, Any] = {}
 
     def load() -> None:
@@ -1023,6 +1001,26 @@ def torch_profile(args, server: Server, workload: str, counts: Dict[str, int]) -
 
     t = threading.Thread(target=load)
     t.start()
+    return t, result
+
+
+def _summary_of(result: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: lookup(result["summary"], k) for k in SUMMARY_KEYS} if "summary" in result else result
+
+
+# --- torch profiler trace of python -m serving's engine during one workload ---------------------
+
+
+def torch_profile(args, server: Server, workload: str, counts: Dict[str, int]) -> Dict[str, Any]:
+    """Run the workload once more (its own prompts) and, --torch-profile-delay s into it, record
+    --torch-profile-steps engine steps (POST /start_profile); then where the device sat idle (trace_gaps.py)."""
+    import httpx
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import trace_gaps
+
+    argv = workload_argv(workload, counts, args.workload_args) + ["--seed", str(200 + workload_seed(workload))]
+    t, result = _run_in_background(args, server, argv)
     time.sleep(args.torch_profile_delay)
     with httpx.Client(base_url=server.base_url, timeout=120) as c:
         started = c.post("/start_profile", json={"num_steps": args.torch_profile_steps})
@@ -1039,9 +1037,7 @@ def torch_profile(args, server: Server, workload: str, counts: Dict[str, int]) -
         out["gaps"] = trace_gaps.analyze(trace_gaps.load_events(path))
     except ValueError as exc:  # no device events: a CPU server
         out["gaps"] = {"error": str(exc)}
-    out["profiled_run"] = (
-        {k: lookup(result.get("summary", {}), k) for k in SUMMARY_KEYS} if "summary" in result else result
-    )
+    out["profiled_run"] = _summary_of(result)
     return out
 
 
