@@ -41,8 +41,8 @@ from engine.errors import EngineDeadError, InvalidConfigError, InvalidRequestErr
 from engine.memory.kv_cache_manager import KVCacheManager
 from engine.memory.radix_cache import RadixCache
 from engine.models.source import ModelSource
-from engine.profiling import ProfileError, StepProfiler
 from engine.outputs import EngineStats, FinishReason, ReqOutput
+from engine.profiling import ProfileError, StepProfiler
 from engine.request import Req
 from engine.runner.grammar import GrammarCompiler, GrammarState, grammar_key
 from engine.runner.model_runner import ModelRunner
