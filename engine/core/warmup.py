@@ -13,13 +13,13 @@ warm-up the first request a server takes waits for those builds.
     C  a new prompt of 599 tokens, greedy; both once A is decoding: with mixed chunks, one eager step of
        640 tokens (A's decode, B's 40 beyond A's cached prefix, C's 599), then decode steps of three
 
-Triton specializes a kernel on whether its integer arguments are multiples of 16, so the two eager steps
-(600 and 640 tokens) compile both variants of the eager step's kernels.
-
 and then leaves nothing behind: their outputs go nowhere, the radix cache is emptied (its events are
 dropped, so a router never hears of these prompts) and the scheduler's counters and the device clock
 start from zero. KV pages: every page is free again, or warm_up raises RuntimeError (a leak is a bug).
 Outputs of later requests do not depend on it: greedy tokens are those of an engine that never warmed up.
+
+Triton specializes a kernel on whether its integer arguments are multiples of 16, so the two eager steps
+(600 and 640 tokens) compile both variants of the eager step's kernels.
 """
 
 from __future__ import annotations
