@@ -463,10 +463,23 @@ class Server:
         self.pid: Optional[int] = None  # the process to profile
         self.tree: List[int] = []
         self.started_s = 0.0
+        self._log_read = 0
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def new_stats_lines(self) -> List[str]:
+        """The engine's stats lines (engine/core/stats_log.py) that the server logged since the last call."""
+        path = os.path.join(self.log_dir, f"server_{self.name}.log")
+        if not os.path.exists(path):
+            return []
+        with open(path, errors="replace") as f:
+            f.seek(self._log_read)
+            text = f.read()
+            self._log_read = f.tell()
+        mark = "engine.core.stats_log: "
+        return [line.split(mark, 1)[1] for line in text.splitlines() if mark in line]
 
     def command(self) -> List[str]:
         raise NotImplementedError
@@ -1403,6 +1416,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                     print(f"{name} {w}: TTFT mean split (ms) {json.dumps(split)}", flush=True)
                 if name in RADIXSERVE:
                     run["kv"][w] = kv_when_idle(server)
+                    # the stats lines the server logged during this workload (the cluster: if Ray forwards them)
+                    run.setdefault("stats_lines", {})[w] = server.new_stats_lines()
                 if (name, w) in checks:
                     key = f"{name}:{w}"
                     try:

@@ -408,3 +408,19 @@ def test_trace_gaps_attributes_idle_device_time_to_the_loop_stages(tmp_path):
     assert json.loads(out.read_text())["large_gaps"] == 2 and "prepare" in done.stdout
     with pytest.raises(ValueError, match="no device events"):
         trace_gaps.analyze([x("user_annotation", "plan", 0, 10)])
+
+
+def test_bench_online_keeps_the_stats_lines_each_workload_logged(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_online
+
+    server = bench_online.ServingServer(bench_online.build_parser().parse_args([]), str(tmp_path))
+    log = tmp_path / "server_serving.log"
+    assert server.new_stats_lines() == []  # no log yet
+    line = "2026-11-29 12:26:19,292 INFO engine-core[1495] engine.core.stats_log: last 10.0 s: prompt 925 tok/s"
+    log.write_text(f"INFO: started\n{line}\n")
+    assert server.new_stats_lines() == ["last 10.0 s: prompt 925 tok/s"]
+    with open(log, "a") as f:
+        f.write("INFO: POST /v1/completions\n" + line.replace("925", "4915") + "\n")
+    assert server.new_stats_lines() == ["last 10.0 s: prompt 4915 tok/s"]  # only what came since
+    assert server.new_stats_lines() == []
