@@ -44,10 +44,6 @@ class StepProfiler:
         self.last_path: Optional[str] = None
         """The trace written last (by stop, or when num_steps ran out)."""
 
-    @property
-    def running(self) -> bool:
-        return self._profile is not None
-
     def start(self, num_steps: Optional[int] = None) -> str:
         """Start recording; with `num_steps`, stop by itself after that many loop iterations with work.
         Returns the path the trace will be written to."""

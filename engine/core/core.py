@@ -276,15 +276,16 @@ class EngineCore:
     def call_start_profile(self, num_steps: Optional[int] = None) -> str:
         """Start a torch profiler trace of the loop (stopping by itself after `num_steps` steps with work, if
         given); returns the trace's path. ProfileError when profiling is off or a profile already records."""
-        if self.profiler is None:
-            raise ProfileError("profiling is off: set profile_dir (servers: --profile-dir)")
-        return self.profiler.start(num_steps)
+        return self._profiler().start(num_steps)
 
     def call_stop_profile(self) -> str:
         """Stop the profile and write its trace; returns the path."""
+        return self._profiler().stop()
+
+    def _profiler(self) -> StepProfiler:
         if self.profiler is None:
             raise ProfileError("profiling is off: set profile_dir (servers: --profile-dir)")
-        return self.profiler.stop()
+        return self.profiler
 
     def call_flush_cache(self) -> None:
         """Drop every unlocked cached prefix (for benchmarks)."""

@@ -26,6 +26,7 @@ import time
 from typing import Callable, Optional
 
 from engine.outputs import EngineStats
+from engine.runner.device_clock import KINDS
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +39,7 @@ _RATES = (
     "decode_steps",
     "device_wait_s",
     "device_busy_s",
-    "device_gap_decode_s",
-    "device_gap_mixed_s",
-    "device_gap_prefill_s",
+    *(f"device_gap_{kind}_s" for kind in KINDS),
 )
 
 
@@ -86,10 +85,11 @@ class StatsLog:
             f"{delta['device_wait_s'] / elapsed:.0%}"
         )
         if delta["device_busy_s"] > 0:
-            gaps = {k: delta[f"device_gap_{k}_s"] / elapsed for k in ("decode", "mixed", "prefill")}
+            gaps = {kind: delta[f"device_gap_{kind}_s"] / elapsed for kind in KINDS}
+            before = ", ".join(f"{kind} {share:.1%}" for kind, share in gaps.items())
             text += (
                 f"; device busy {delta['device_busy_s'] / elapsed:.0%}, idle between steps {sum(gaps.values()):.1%}"
-                f" (before decode {gaps['decode']:.1%}, mixed {gaps['mixed']:.1%}, prefill {gaps['prefill']:.1%})"
+                f" (before {before})"
             )
         self._since, self._last, self._longest_s, self._busy = now, stats, 0.0, False
         return text

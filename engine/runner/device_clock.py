@@ -18,7 +18,7 @@ it, or when the host queues it, whichever is later), and a stop event when the s
     slowly than the device runs them (an eager prefill bound by the host) keeps the device idle inside it.
     So busy_s is an upper bound of the device's work, and the gaps a lower bound of its idle time.
 
-Kinds: "decode", "prefill", "mixed" (a prefill step that also decodes running requests). Pairs are
+Kinds: "decode", "mixed" (a prefill step that also decodes running requests), "prefill". Pairs are
 collected at every stop(), so at most the steps in flight wait (overlap scheduling: two). On the CPU
 nothing is recorded and every sum stays 0. Owned by the scheduler's thread; not thread-safe.
 """
@@ -30,7 +30,7 @@ from typing import Deque, Dict, NamedTuple, Optional
 
 import torch
 
-KINDS = ("decode", "prefill", "mixed")
+KINDS = ("decode", "mixed", "prefill")
 
 
 class _Step(NamedTuple):
