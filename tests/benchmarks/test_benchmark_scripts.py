@@ -379,18 +379,23 @@ def test_trace_gaps_attributes_idle_device_time_to_the_loop_stages(tmp_path):
 
     import trace_gaps
 
-    def x(cat, name, ts, dur):
-        return dict(ph="X", cat=cat, name=name, ts=ts, dur=dur, pid=1, tid=1)
+    def x(cat, name, ts, dur, correlation=None, tid=1):
+        args = {} if correlation is None else {"correlation": correlation}
+        return dict(ph="X", cat=cat, name=name, ts=ts, dur=dur, pid=1, tid=tid, args=args)
 
     events = [
         x("kernel", "gemm", 0, 100),
         x("kernel", "gemm", 100, 100),
-        x("gpu_memcpy", "copy", 260, 40),
-        x("kernel", "attn", 1000, 10),
+        x("gpu_memcpy", "copy", 260, 40, correlation=7),
+        x("kernel", "attn", 1000, 10, correlation=8),
         x("user_annotation", "process", 170, 60),
         x("user_annotation", "plan", 230, 70),
         x("user_annotation", "prepare", 400, 500),
-        x("cpu_op", "aten::mm", 150, 900),  # not a stage: ignored
+        x("cpu_op", "aten::mm", 150, 900),  # not a stage: no share in the stage split
+        x("cpu_op", "aten::copy_", 240, 20),  # inside aten::mm: the innermost op there
+        x("cuda_runtime", "cudaMemcpyAsync", 210, 5, correlation=7),  # launched 10 µs into the 60 µs gap
+        x("cuda_runtime", "cudaLaunchKernel", 980, 5, correlation=8),  # 680 µs into the 700 µs gap
+        x("cpu_op", "aten::add", 200, 900, tid=2),  # another thread: not the loop's
     ]
     path = tmp_path / "t.trace.json.gz"
     with gzip.open(path, "wt") as f:
@@ -402,6 +407,13 @@ def test_trace_gaps_attributes_idle_device_time_to_the_loop_stages(tmp_path):
     assert by_stage["process"] == 0.03 and by_stage["plan"] == 0.03 and by_stage["prepare"] == 0.5
     assert by_stage[trace_gaps.OUTSIDE] == 0.2
     assert [g["idle_us"] for g in r["largest_gaps"]] == [700.0, 60.0]
+    assert [g["next"] for g in r["largest_gaps"]] == ["attn", "copy"]
+    assert [g["before_launch_us"] for g in r["largest_gaps"]] == [680.0, 10.0]
+    assert r["large_gap_idle_before_launch_ms"] == 0.69
+    # sampled every 10 µs over 200-260 and 300-1000, all inside aten::mm but for the innermost calls at
+    # 210 (cudaMemcpyAsync), 240 and 250 (aten::copy_) and 980 (cudaLaunchKernel)
+    ops = {"aten::mm": 0.72, "aten::copy_": 0.02, "cudaMemcpyAsync": 0.01, "cudaLaunchKernel": 0.01}
+    assert r["large_gap_host_ops_ms"] == ops
     out = tmp_path / "gaps.json"
     done = run_script("trace_gaps.py", str(path), "--min-gap-us", "50", "--json", str(out))
     assert done.returncode == 0, done.stderr
