@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+import numpy as np
 import torch
 
 from engine.memory.allocator import TokenToKVPoolAllocator
@@ -105,12 +106,13 @@ class KVCacheManager:
             return None
         # One write for the whole batch (a mixed step has a request per decode row): request i's slots are
         # out[first_i : first_i + extend_len_i], for columns kv_len_i, kv_len_i + 1, ...
-        lens = torch.tensor([r.extend_len for r in reqs], dtype=torch.int64)
-        first = torch.cumsum(lens, 0) - lens
-        shift = torch.tensor(prefix, dtype=torch.int64) - first
-        rows = torch.repeat_interleave(torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64), lens)
-        cols = torch.arange(out.numel(), dtype=torch.int64) + torch.repeat_interleave(shift, lens)
-        self.req_to_token_pool.write_positions(rows, cols, out)
+        # The indices are built with numpy: torch's CPU repeat_interleave splits even a few elements over
+        # the intra-op thread pool, and waking that pool on a busy host costs milliseconds per step.
+        lens = np.array([r.extend_len for r in reqs], dtype=np.int64)
+        shift = np.array(prefix, dtype=np.int64) - (np.cumsum(lens) - lens)
+        rows = np.repeat(np.array([r.req_pool_idx for r in reqs], dtype=np.int64), lens)
+        cols = np.arange(out.numel(), dtype=np.int64) + np.repeat(shift, lens)
+        self.req_to_token_pool.write_positions(torch.from_numpy(rows), torch.from_numpy(cols), out)
         return out
 
     def alloc_decode(self, reqs: List[Req]) -> Optional[torch.Tensor]:
