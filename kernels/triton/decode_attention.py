@@ -57,7 +57,13 @@ def dot_flags(dtype: torch.dtype, device: torch.device) -> dict:
     return dict(PRECISION="ieee" if dtype == torch.float32 or upcast else "tf32", UPCAST=upcast)
 
 
-@triton.jit
+# The split count (and the scratch stride equal to it) varies with the batch: a value of 1 would make Triton
+# compile another variant of the kernel (it turns integer arguments equal to 1 into constants) in the middle
+# of serving, after the warm-up. One variant serves every split count.
+_SPLIT_ARGS = ["num_splits", "stride_ml_h"]
+
+
+@triton.jit(do_not_specialize=_SPLIT_ARGS)
 def _decode_stage1(
     Q,
     K_buf,
@@ -144,7 +150,7 @@ def _decode_stage1(
     tl.store(Mid_lse + b * stride_ml_b + heads * stride_ml_h + split, lse, mask=mask_h)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SPLIT_ARGS)
 def _decode_stage2(
     Mid_o,
     Mid_lse,

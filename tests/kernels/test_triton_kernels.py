@@ -347,3 +347,33 @@ def test_gpu_backend_llama3_8b_heads(mode, seq_lens, prefix_lens):
 @pytest.mark.gpu
 def test_gpu_greedy_matches_torch_native():
     check_greedy([30, 100, 64, 7], max_new_tokens=12, prefill_chunk=48)
+
+
+def test_decode_kernels_compile_one_variant_for_every_split_count():
+    """Triton compiles a kernel once per specialization of its arguments, and turns an integer argument
+    equal to 1 into a constant. The split count (and the scratch stride equal to it) falls to 1 only in
+    large batches, so a specialized kernel would compile mid-serving, after the warm-up: the decode kernels
+    must not specialize on them. Checked with Triton's own specialization (no interpreter: it has none)."""
+    import subprocess
+    import sys
+
+    code = """
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend
+from kernels.triton import decode_attention as d
+
+for fn in (d._decode_stage1, d._decode_stage2):
+    keys = set()
+    for splits in (1, 5, 16):
+        values = {"num_splits": splits, "stride_ml_h": splits}
+        key = [native_specialize_impl(BaseBackend, values[p.name], False, not p.do_not_specialize,
+                                      not p.do_not_specialize_on_alignment) for p in fn.params if p.name in values]
+        assert len(key) == len(values), fn.params
+        keys.add(repr(key))
+    assert len(keys) == 1, (fn, keys)
+print("one variant")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and "one variant" in done.stdout, done.stderr
