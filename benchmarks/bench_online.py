@@ -27,8 +27,8 @@ vllm is then unavailable).
 Workloads (--workloads; bench_serving options, all with --ignore-eos and temperature 0; each workload
 has its own fixed seed, so no workload sends another's prompts again):
   random-1       completions, 128 → 256 tokens, 1 in flight (batch-1 TPOT through the endpoint)
-  random-8/64/256  completions, 1024 → 256, 8/64/256 in flight; the request count is 8x/4x/2x the
-                 concurrency (about 20-40 s each on an H100)
+  random-8/64/256  completions, 1024 → 256, 8/64/256 in flight; the request count is 8x the
+                 concurrency (2x at 256), so that most of a run is steady state (about 15-40 s each)
   shared-prefix  chat, 16 groups × 16 questions, 2048-word system prompt, 64-word question, 128 out,
                  64 in flight
   multi-turn     chat, 32 conversations × 6 turns, 64-word questions, 128 out, all in flight
@@ -123,7 +123,7 @@ WORKLOADS: Dict[str, List[str]] = {
         "8",
     ],
     "random-8": RANDOM_1024 + ["--max-concurrency", "8", "--num-prompts", "64"],
-    "random-64": RANDOM_1024 + ["--max-concurrency", "64", "--num-prompts", "256"],
+    "random-64": RANDOM_1024 + ["--max-concurrency", "64", "--num-prompts", "512"],
     "random-256": RANDOM_1024 + ["--max-concurrency", "256", "--num-prompts", "512"],
     "shared-prefix": [
         "--dataset",
