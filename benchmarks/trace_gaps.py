@@ -104,6 +104,8 @@ def analyze(
     every `sample_us`)."""
     device_events = [e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS]
     device = merge([(e["ts"], e["ts"] + e.get("dur", 0)) for e in device_events])
+    if not device:
+        raise ValueError("no device events in the trace (a CPU trace, or the profile recorded no step)")
     first_at: Dict[float, Dict[str, Any]] = {}
     for e in device_events:
         first_at.setdefault(e["ts"], e)
@@ -111,8 +113,6 @@ def analyze(
     host = _HostOps(events, _loop_thread(events))
     host_ops: Counter = Counter()
     before_launch = 0.0
-    if not device:
-        raise ValueError("no device events in the trace (a CPU trace, or the profile recorded no step)")
     stages: Dict[str, List[Interval]] = {s: [] for s in STAGES}
     for e in events:
         if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e.get("name") in stages:
