@@ -123,3 +123,58 @@ def test_gpu_warm_up_leaves_greedy_outputs_and_counters_as_a_cold_engine():
             engine.shutdown()
             torch.cuda.empty_cache()
     assert runs[0] == runs[1]
+
+
+@pytest.mark.gpu
+def test_gpu_a_large_mixed_step_after_the_warm_up_compiles_no_decode_kernel():
+    """Triton compiles a kernel once per specialization of its arguments. After the warm-up (one decode
+    row in its mixed step), a mixed step with so many decode rows that each gets a single KV split must
+    find the Triton decode kernels already compiled: a compile there would stall serving."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("flashinfer")
+    from engine.request import Req
+    from engine.sampling_params import SamplingParams
+    from kernels.triton import decode_attention as dec
+
+    config = EngineConfig.from_kwargs(
+        device="cuda", dtype="bfloat16", enable_mixed_chunk=True, skip_tokenizer_init=True, max_total_tokens=16384
+    )
+    core = EngineCore(config, resolve_model(None))
+    try:
+        warmup.warm_up(core)
+        device = torch.device("cuda", torch.cuda.current_device())
+        kernels = (dec._decode_stage1, dec._decode_stage2)
+
+        def variants():
+            return [len(k.device_caches[device.index][0]) for k in kernels]
+
+        compiled = variants()
+        assert all(compiled), compiled  # the warm-up's mixed step ran them
+        cfg = core.runner.model_config
+        hkv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        rows = -(-2 * sms // hkv) + 1  # enough decode rows for one split each, even at long contexts
+        assert dec.pick_num_kv_splits(rows, hkv, 4096, device) == 1
+        params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+        done = []
+
+        def req(i, n):
+            ids = [(3 + 7 * i + j) % 1000 for j in range(n)]
+            return Req(f"r{i}", ids, params, seed=i, eos_token_ids=frozenset(), on_output=done.append)
+
+        decoding = [req(i, 16) for i in range(rows)]
+        for r in decoding:
+            core.scheduler.add_request(r)
+        while not all(r.output_ids for r in decoding):
+            core.scheduler.step()
+        mixed = core.scheduler.counters["mixed_steps"]
+        core.scheduler.add_request(req(rows, 64))  # prefilled beside the decode rows
+        while core.scheduler.has_work:
+            core.scheduler.step()
+        assert core.scheduler.counters["mixed_steps"] > mixed
+        assert variants() == compiled
+        stats = core.call_stats()
+        assert stats.kv_free_tokens + stats.kv_evictable_tokens == stats.kv_total_tokens
+    finally:
+        core.close()
