@@ -22,10 +22,10 @@ import threading
 import uuid
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Deque, Dict, List, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 from engine.config import EngineConfig
-from engine.core.messages import AbortRequest, AddRequest, CompleteReceive, ReleaseSent
+from engine.core.messages import AbortRequest, AddRequest, AddRequests, CompleteReceive, ReleaseSent
 from engine.errors import EngineAbortedError, EngineDeadError, InvalidRequestError, PromptTooLongError, QueueFullError
 from engine.models.source import resolve_model
 from engine.outputs import EngineStats, GenerateOutput, ReqOutput, StreamOutput
@@ -184,11 +184,16 @@ class Engine:
         prompts, single = self._as_batch(prompt)
         params_list = self._params_per_prompt(sampling_params, len(prompts))
         checked = [(self._check_prompt(p, sp), sp) for p, sp in zip(prompts, params_list)]
-        collectors = []
+        self.core.raise_if_dead()
+        self._admit(sum(params.n for _, params in checked))
+        collectors, adds = [], []
         for ids, params in checked:
             collector = _Collector(params.n)
-            self._submit(ids, params, rid if single else None, collector, None)
+            adds.append(self._register(ids, params, rid if single else None, collector, None)[1])
             collectors.append(collector)
+        # One message: the whole batch is queued before the scheduler's next step, so its batches (and so
+        # the rounding of every request's numbers) are the same in every run.
+        self.core.send(AddRequests(tuple(adds)))
         for collector in collectors:
             while not self.core.wait(collector.done, 0.5):
                 self.core.raise_if_dead()
@@ -441,6 +446,21 @@ class Engine:
     ) -> _Group:
         """Register the group's choices and send it to the core."""
         self.core.raise_if_dead()
+        self._admit(params.n)
+        group, add = self._register(ids, params, rid, sink, loop, handoff)
+        self.core.send(add)
+        return group
+
+    def _register(
+        self,
+        ids: List[int],
+        params: SamplingParams,
+        rid: Optional[str],
+        sink: Sink,
+        loop: Optional[asyncio.AbstractEventLoop],
+        handoff: Optional[str] = None,
+    ) -> Tuple[_Group, AddRequest]:
+        """Register the group's choices (admitted by the caller); returns it with the AddRequest to send."""
         rid = rid or uuid.uuid4().hex
         text = None
         if self.tokenizer is not None and self.config.detokenize and handoff != "sender":
@@ -448,12 +468,10 @@ class Engine:
         group = _Group(rid, params, text, sink, loop, handoff)
         if any(r in self._requests for r in group.engine_rids):
             raise InvalidRequestError(f"request id {rid!r} is already in use", param="rid")
-        self._admit(len(group.engine_rids))
         for i, engine_rid in enumerate(group.engine_rids):
             self._requests[engine_rid] = _Entry(group, i)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
-        self.core.send(AddRequest(rid, ids, params, seed, handoff))
-        return group
+        return group, AddRequest(rid, ids, params, seed, handoff)
 
     def _admit(self, count: int) -> None:
         """Admission control, decided here so a refusal never waits for the core's step: the requests

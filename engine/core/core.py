@@ -1,6 +1,6 @@
 """EngineCore: the scheduler loop of one replica and everything it owns.
 
-    inbox (AddRequest, AbortRequest, CompleteReceive, ReleaseSent, CoreCall)
+    inbox (AddRequest(s), AbortRequest, CompleteReceive, ReleaseSent, CoreCall)
       ─▶ handle ─▶ Scheduler.step ─▶ ModelRunner ─▶ OutputProcessor ─▶ Req.on_output = collect
       ─▶ one StepOutputs per step (every request's news) ─▶ outbox
 
@@ -28,6 +28,7 @@ from engine.config import EngineConfig
 from engine.core.messages import (
     AbortRequest,
     AddRequest,
+    AddRequests,
     CallResult,
     CompleteReceive,
     CoreCall,
@@ -178,6 +179,9 @@ class EngineCore:
         """Apply one message; a CoreCall returns its CallResult."""
         if isinstance(msg, AddRequest):
             self._add(msg)
+        elif isinstance(msg, AddRequests):
+            for add in msg.requests:
+                self._add(add)
         elif isinstance(msg, AbortRequest):
             self.scheduler.abort(msg.rid)
             self.scheduler.process_aborts()  # now, not at the next step: stats taken next see it gone

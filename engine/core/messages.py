@@ -1,6 +1,6 @@
 """The messages between an Engine (front end) and its EngineCore (scheduler), in both directions.
 
-    Engine ──AddRequest | AbortRequest | CompleteReceive | ReleaseSent | CoreCall | Shutdown──▶ EngineCore
+    Engine ──AddRequest | AddRequests | AbortRequest | CompleteReceive | ReleaseSent | CoreCall | Shutdown──▶ EngineCore
     Engine ◀──CoreInfo (once, at start) | StepOutputs (one per step, every request's news) | CallResult──
 
 Plain picklable data: the same objects travel through a queue (core in a thread of this process) or
@@ -11,7 +11,7 @@ scheduler step for all requests, never one per request.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, FrozenSet, List, Optional
+from typing import Any, FrozenSet, List, Optional, Tuple
 
 from engine.outputs import ReqOutput
 from engine.sampling_params import SamplingParams
@@ -30,6 +30,15 @@ class AddRequest:
     handoff: Optional[str] = None
     """None, "receiver" (a decode replica's side of a handoff) or "sender" (a prefill replica's side);
     engine.scheduler.handoff."""
+
+
+@dataclass(frozen=True)
+class AddRequests:
+    """Prompts that reach the scheduler together (Engine.generate's batch): all of them are queued before its
+    next step (those with a grammar once it is compiled), so how they are batched does not depend on how fast
+    they were sent."""
+
+    requests: Tuple[AddRequest, ...]
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 
 import pytest
 
-from engine_harness import assert_no_leak, make_engine
+from engine_harness import PROMPTS, assert_no_leak, make_engine
 from engine import (
     InvalidConfigError,
     InvalidRequestError,
@@ -33,6 +34,29 @@ def test_generate_output_fields(default_engine):
     for lp, tok in zip(out.logprobs, out.token_ids):
         assert lp.token_id == tok and lp.logprob <= 0
         assert len(lp.top_logprobs) == 3 and lp.top_logprobs[0][0] == tok  # greedy: chosen is the best
+
+
+def test_generate_queues_its_whole_batch_before_the_next_step():
+    """A batch given to generate is one prefill batch however slowly the front end sends it (here 50 ms between
+    two messages, time for the loop to step): which requests share a step decides how each one's numbers are
+    rounded on a GPU, so greedy outputs of a batch do not depend on timing."""
+    engine = make_engine()
+    try:
+        send = engine.core.send
+
+        def slow_send(msg):
+            send(msg)
+            time.sleep(0.05)
+
+        engine.core.send = slow_send
+        counters = lambda: dict(engine._call(lambda: engine.local_core.scheduler.counters))  # noqa: E731
+        before = counters()
+        engine.generate(PROMPTS, dict(temperature=0, max_new_tokens=2, ignore_eos=True))
+        after = counters()
+        assert after["prefill_steps"] - before["prefill_steps"] == 1, (before, after)
+        assert_no_leak(engine)
+    finally:
+        engine.shutdown()
 
 
 def test_seed_reproducible_whatever_the_batch(default_engine):

@@ -5,8 +5,8 @@ bf16: FlashInfer and Triton round attention differently (each is within bf16 tol
 reference, test_gpu_kernels), and a bf16 model amplifies a one-ulp difference when two candidate tokens
 are nearly tied, so across *backends* greedy outputs are compared token by token and must agree on nearly
 all positions; for one backend, CUDA graphs on and off must give identical tokens (same kernels, same
-split-K choice: see engine/runner/cuda_graph.py). float32 (Triton, IEEE dots): the GPU must reproduce the
-CPU float32 engine token for token.
+split-K choice: see engine/runner/cuda_graph.py; the same batches: Engine.generate queues its prompts at
+once). float32 (Triton, IEEE dots): the GPU must reproduce the CPU float32 engine token for token.
 """
 
 from __future__ import annotations
