@@ -61,9 +61,13 @@ def dot_flags(dtype: torch.dtype, device: torch.device) -> dict:
 # compile another variant of the kernel (it turns integer arguments equal to 1 into constants) in the middle
 # of serving, after the warm-up. One variant serves every split count.
 _SPLIT_ARGS = ["num_splits", "stride_ml_h"]
+# Per-request arrays are views into the batch's packed tensor (engine/forward_batch.py), or slices of them: whether
+# their address is a multiple of 16 bytes changes with the batch, and Triton compiles a variant per alignment.
+# Each program loads one element of them, which alignment does not speed up.
+BATCH_VIEW_ARGS = ["Req_pool_indices", "Seq_lens"]
 
 
-@triton.jit(do_not_specialize=_SPLIT_ARGS)
+@triton.jit(do_not_specialize=_SPLIT_ARGS, do_not_specialize_on_alignment=BATCH_VIEW_ARGS)
 def _decode_stage1(
     Q,
     K_buf,
@@ -150,7 +154,7 @@ def _decode_stage1(
     tl.store(Mid_lse + b * stride_ml_b + heads * stride_ml_h + split, lse, mask=mask_h)
 
 
-@triton.jit(do_not_specialize=_SPLIT_ARGS)
+@triton.jit(do_not_specialize=_SPLIT_ARGS, do_not_specialize_on_alignment=BATCH_VIEW_ARGS)
 def _decode_stage2(
     Mid_o,
     Mid_lse,

@@ -36,7 +36,9 @@ def _online_softmax_step(q, k, v, s_mask, m_i, l_i, acc, qk_scale, PRECISION: tl
     return m_new, l_i, acc
 
 
-@triton.jit
+# The per-request arrays are views into the batch's packed tensor: one compiled variant for any alignment
+# (kernels/triton/decode_attention.py, BATCH_VIEW_ARGS).
+@triton.jit(do_not_specialize_on_alignment=["Req_pool_indices", "Prefix_lens", "Extend_lens", "Extend_start"])
 def _extend_kernel(
     Q,
     K_new,

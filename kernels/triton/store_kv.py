@@ -16,7 +16,10 @@ import triton.language as tl
 from kernels.triton import pdl
 
 
-@triton.jit
+# `loc` is a view into the batch's packed tensor (engine/forward_batch.py): whether its address is a multiple of
+# 16 bytes changes with the batch, and Triton would compile a variant per alignment, possibly mid-serving.
+# Each program loads one element of it, which alignment does not speed up.
+@triton.jit(do_not_specialize_on_alignment=["Loc"])
 def _store_kv_kernel(
     K,
     V,

@@ -349,31 +349,64 @@ def test_gpu_greedy_matches_torch_native():
     check_greedy([30, 100, 64, 7], max_new_tokens=12, prefill_chunk=48)
 
 
+def _check_triton_specialization(code: str) -> None:
+    """Run `code` with Triton's own specialization (a subprocess without the interpreter, which has none);
+    it prints "one variant" when every kernel it checks keeps one key."""
+    import subprocess
+    import sys
+
+    prelude = """
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend
+
+def key(fn, values):
+    k = [native_specialize_impl(BaseBackend, values[p.name], False, not p.do_not_specialize,
+                                not p.do_not_specialize_on_alignment) for p in fn.params if p.name in values]
+    assert len(k) == len(values), (fn, sorted(values), [p.name for p in fn.params])
+    return repr(k)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", prelude + code], cwd=root, env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and "one variant" in done.stdout, done.stderr
+
+
 def test_decode_kernels_compile_one_variant_for_every_split_count():
     """Triton compiles a kernel once per specialization of its arguments, and turns an integer argument
     equal to 1 into a constant. The split count (and the scratch stride equal to it) falls to 1 only in
     large batches, so a specialized kernel would compile mid-serving, after the warm-up: the decode kernels
-    must not specialize on them. Checked with Triton's own specialization (no interpreter: it has none)."""
-    import subprocess
-    import sys
-
-    code = """
-from triton._C.libtriton import native_specialize_impl
-from triton.backends.compiler import BaseBackend
+    must not specialize on them."""
+    _check_triton_specialization("""
 from kernels.triton import decode_attention as d
 
 for fn in (d._decode_stage1, d._decode_stage2):
-    keys = set()
-    for splits in (1, 5, 16):
-        values = {"num_splits": splits, "stride_ml_h": splits}
-        key = [native_specialize_impl(BaseBackend, values[p.name], False, not p.do_not_specialize,
-                                      not p.do_not_specialize_on_alignment) for p in fn.params if p.name in values]
-        assert len(key) == len(values), fn.params
-        keys.add(repr(key))
+    keys = {key(fn, {"num_splits": s, "stride_ml_h": s}) for s in (1, 5, 16)}
     assert len(keys) == 1, (fn, keys)
 print("one variant")
-"""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
-    assert done.returncode == 0 and "one variant" in done.stdout, done.stderr
+""")
+
+
+def test_kernels_on_batch_views_compile_one_variant_for_any_alignment():
+    """Triton also specializes a pointer on whether its address is a multiple of 16 bytes. The per-request
+    arrays of a step are views into its packed int64 tensor (engine/forward_batch.py), sliced further for a
+    mixed step's decode rows: their alignment follows the batch size and the number of decode rows, so a
+    batch of a new parity would compile a variant mid-serving (seen on a GPU: _kv_indices_kernel at the
+    first request after the warm-up). Every kernel taking such a view keeps one variant."""
+    _check_triton_specialization("""
+import torch
+from kernels.triton import decode_attention, extend_attention, fused_layers, store_kv
+
+packed = torch.arange(64)
+views = (packed[2:10], packed[3:11])  # 16-byte aligned, then 8 bytes off
+kernels = {
+    decode_attention._decode_stage1: ["Req_pool_indices", "Seq_lens"],
+    decode_attention._decode_stage2: ["Seq_lens"],
+    extend_attention._extend_kernel: ["Req_pool_indices", "Prefix_lens", "Extend_lens", "Extend_start"],
+    fused_layers._kv_indices_kernel: ["Req_pool_indices", "Seq_lens"],
+    store_kv._store_kv_kernel: ["Loc"],
+}
+for fn, names in kernels.items():
+    keys = {key(fn, dict.fromkeys(names, view)) for view in views}
+    assert len(keys) == 1, (fn, keys)
+print("one variant")
+""")
