@@ -125,11 +125,28 @@ def test_gpu_warm_up_leaves_greedy_outputs_and_counters_as_a_cold_engine():
     assert runs[0] == runs[1]
 
 
+def _triton_kernels():
+    """Every Triton kernel of kernels/triton (module-level JIT functions)."""
+    import importlib
+    import pkgutil
+
+    import triton
+
+    import kernels.triton as package
+
+    found = []
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"kernels.triton.{info.name}")
+        found += [v for v in vars(module).values() if isinstance(v, triton.runtime.jit.JITFunction)]
+    return found
+
+
 @pytest.mark.gpu
-def test_gpu_a_large_mixed_step_after_the_warm_up_compiles_no_decode_kernel():
-    """Triton compiles a kernel once per specialization of its arguments. After the warm-up (one decode
-    row in its mixed step), a mixed step with so many decode rows that each gets a single KV split must
-    find the Triton decode kernels already compiled: a compile there would stall serving."""
+def test_gpu_steps_after_the_warm_up_compile_no_triton_kernel():
+    """Triton compiles a kernel once per specialization of its arguments (an integer equal to 1, a pointer
+    16-byte aligned or not). After the warm-up, mixed steps with so many decode rows that each gets a
+    single KV split, with odd and even decode-row counts and batch sizes (the alignments of the batch views
+    the kernels read), must find every Triton kernel compiled: a compile there would stall serving."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     pytest.importorskip("flashinfer")
@@ -144,36 +161,39 @@ def test_gpu_a_large_mixed_step_after_the_warm_up_compiles_no_decode_kernel():
     try:
         warmup.warm_up(core)
         device = torch.device("cuda", torch.cuda.current_device())
-        kernels = (dec._decode_stage1, dec._decode_stage2)
+        kernels = _triton_kernels()
 
         def variants():
-            return [len(k.device_caches[device.index][0]) for k in kernels]
+            return {f"{k.fn.__module__}.{k.fn.__qualname__}": len(k.device_caches[device.index][0]) for k in kernels}
 
         compiled = variants()
-        assert all(compiled), compiled  # the warm-up's mixed step ran them
+        assert compiled["kernels.triton.decode_attention._decode_stage1"], compiled  # run by the warm-up
         cfg = core.runner.model_config
         hkv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         rows = -(-2 * sms // hkv) + 1  # enough decode rows for one split each, even at long contexts
         assert dec.pick_num_kv_splits(rows, hkv, 4096, device) == 1
         params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
-        done = []
+        done, count = [], iter(range(10**6))
 
-        def req(i, n):
+        def req(n):
+            i = next(count)
             ids = [(3 + 7 * i + j) % 1000 for j in range(n)]
             return Req(f"r{i}", ids, params, seed=i, eos_token_ids=frozenset(), on_output=done.append)
 
-        decoding = [req(i, 16) for i in range(rows)]
-        for r in decoding:
-            core.scheduler.add_request(r)
-        while not all(r.output_ids for r in decoding):
-            core.scheduler.step()
-        mixed = core.scheduler.counters["mixed_steps"]
-        core.scheduler.add_request(req(rows, 64))  # prefilled beside the decode rows
-        while core.scheduler.has_work:
-            core.scheduler.step()
-        assert core.scheduler.counters["mixed_steps"] > mixed
-        assert variants() == compiled
+        for decoders, prompts in ((rows, 1), (rows + 1, 1), (rows, 2), (rows + 1, 2)):
+            decoding = [req(16) for _ in range(decoders)]
+            for r in decoding:
+                core.scheduler.add_request(r)
+            while not all(r.output_ids for r in decoding):
+                core.scheduler.step()
+            mixed = core.scheduler.counters["mixed_steps"]
+            for r in [req(64) for _ in range(prompts)]:  # prefilled beside the decode rows
+                core.scheduler.add_request(r)
+            while core.scheduler.has_work:
+                core.scheduler.step()
+            assert core.scheduler.counters["mixed_steps"] > mixed, (decoders, prompts)
+            assert variants() == compiled, (decoders, prompts)
         stats = core.call_stats()
         assert stats.kv_free_tokens + stats.kv_evictable_tokens == stats.kv_total_tokens
     finally:
