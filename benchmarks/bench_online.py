@@ -74,7 +74,8 @@ process (serving / serving-switch); the raw stacks go beside the logs, the run i
   python benchmarks/bench_online.py --model-dir '' --servers serving --workloads random-8 \\
       --count random-8=8 --warmup-requests 1 -- --input-len 64 --output-len 8       # CPU smoke test
 
-Writes benchmarks/results/online_<GPU or cpu>.json (--out) and the PNG beside it; --merge keeps
+Writes benchmarks/results/online_<GPU or cpu>.json (--out; per workload its summary and `timeline`, each
+request's send time, TTFT and E2E) and the PNG beside it; --merge keeps
 the servers of an existing JSON that this run does not measure (a second command on the same
 machine) and recomputes the ratios.
 """
@@ -815,6 +816,7 @@ def run_workload(argv: List[str], base_url: str, timeout: float) -> Dict[str, An
     summary = bs.summarize(results, duration, before, after)
     summary["prompt_tokens_mean"] = summary["prompt_tokens"] / summary["completed"] if summary["completed"] else 0
     summary["bench_serving_args"] = argv
+    summary["timeline"] = bs.timeline(results)
     return summary
 
 

@@ -345,6 +345,21 @@ def summarize(results: List[Result], duration: float, before, after) -> Dict[str
     return summary
 
 
+def timeline(results: List[Result]) -> Dict[str, List[float]]:
+    """Every request in the order they were sent, as columns: when it was sent (s after the first), its TTFT
+    and E2E (ms; 0 for a failed request) and its prompt and cached tokens. Shows what percentiles hide: requests
+    that arrive and finish in waves (a closed-loop client on same-length requests)."""
+    ordered = sorted(results, key=lambda r: r.start)
+    first = ordered[0].start if ordered else 0.0
+    return {
+        "sent_s": [round(r.start - first, 4) for r in ordered],
+        "ttft_ms": [round(r.ttft * 1e3, 2) if r.ok else 0.0 for r in ordered],
+        "e2e_ms": [round(r.e2e * 1e3, 2) if r.ok else 0.0 for r in ordered],
+        "prompt_tokens": [r.prompt_tokens for r in ordered],
+        "cached_tokens": [r.cached_tokens for r in ordered],
+    }
+
+
 def print_table(summary: Dict[str, Any]) -> None:
     print(f"\n{'requests (ok/total)':<28}{summary['completed']}/{summary['requests']}")
     print(f"{'duration':<28}{summary['duration_s']:.2f} s")

@@ -187,6 +187,25 @@ def test_bench_serving_counts_every_chunk_with_choices_as_a_token_event():
     assert summary["tpot_ms"]["mean"] == (res.e2e - res.ttft) * 1e3
 
 
+def test_bench_serving_timeline_lists_requests_in_send_order():
+    """bench_online keeps each request's send time, TTFT and E2E (bench_serving.timeline): in the order sent,
+    times from the first send, a failed request with zero latencies."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_serving as bs
+
+    late = bs.Result(ok=True, ttft=0.25, e2e=1.5, prompt_tokens=9, cached_tokens=4, start=102.0)
+    first = bs.Result(ok=True, ttft=0.125, e2e=1.0, prompt_tokens=8, start=100.0)
+    failed = bs.Result(ok=False, ttft=0.5, e2e=0.5, start=100.5)
+    assert bs.timeline([late, first, failed]) == {
+        "sent_s": [0.0, 0.5, 2.0],
+        "ttft_ms": [125.0, 0.0, 250.0],
+        "e2e_ms": [1000.0, 0.0, 1500.0],
+        "prompt_tokens": [8, 0, 9],
+        "cached_tokens": [0, 0, 4],
+    }
+    assert bs.timeline([]) == {"sent_s": [], "ttft_ms": [], "e2e_ms": [], "prompt_tokens": [], "cached_tokens": []}
+
+
 def test_bench_serving_reads_vllm_prefix_cache_counters(monkeypatch):
     """A server without /router/stats and radixserve's counters: vLLM's prefix-cache counters (summed over
     its engines) give the server-side hit rate."""
