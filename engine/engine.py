@@ -22,7 +22,7 @@ import threading
 import uuid
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Deque, Dict, List, Optional, Sequence, Union
 
 from engine.config import EngineConfig
 from engine.core.messages import AbortRequest, AddRequest, AddRequests, CompleteReceive, ReleaseSent
@@ -189,7 +189,7 @@ class Engine:
         collectors, adds = [], []
         for ids, params in checked:
             collector = _Collector(params.n)
-            adds.append(self._register(ids, params, rid if single else None, collector, None)[1])
+            self._submit(ids, params, rid if single else None, collector, None, batch=adds)
             collectors.append(collector)
         # One message: the whole batch is queued before the scheduler's next step, so its batches (and so
         # the rounding of every request's numbers) are the same in every run.
@@ -443,24 +443,13 @@ class Engine:
         sink: Sink,
         loop: Optional[asyncio.AbstractEventLoop],
         handoff: Optional[str] = None,
+        batch: Optional[List[AddRequest]] = None,
     ) -> _Group:
-        """Register the group's choices and send it to the core."""
+        """Admit and register the group's choices and send it to the core; with `batch`, its AddRequest is
+        appended there instead, for the caller, which admitted the whole batch, to send with the others."""
         self.core.raise_if_dead()
-        self._admit(params.n)
-        group, add = self._register(ids, params, rid, sink, loop, handoff)
-        self.core.send(add)
-        return group
-
-    def _register(
-        self,
-        ids: List[int],
-        params: SamplingParams,
-        rid: Optional[str],
-        sink: Sink,
-        loop: Optional[asyncio.AbstractEventLoop],
-        handoff: Optional[str] = None,
-    ) -> Tuple[_Group, AddRequest]:
-        """Register the group's choices (admitted by the caller); returns it with the AddRequest to send."""
+        if batch is None:
+            self._admit(params.n)
         rid = rid or uuid.uuid4().hex
         text = None
         if self.tokenizer is not None and self.config.detokenize and handoff != "sender":
@@ -471,7 +460,12 @@ class Engine:
         for i, engine_rid in enumerate(group.engine_rids):
             self._requests[engine_rid] = _Entry(group, i)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
-        return group, AddRequest(rid, ids, params, seed, handoff)
+        add = AddRequest(rid, ids, params, seed, handoff)
+        if batch is None:
+            self.core.send(add)
+        else:
+            batch.append(add)
+        return group
 
     def _admit(self, count: int) -> None:
         """Admission control, decided here so a refusal never waits for the core's step: the requests
