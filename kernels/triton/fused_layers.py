@@ -233,9 +233,8 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     return qo, ko
 
 
-# Req_pool_indices and Seq_lens are slices of the batch's packed tensor (engine/forward_batch.py): their 16-byte
-# alignment changes with the batch, and Triton would compile a variant per alignment, possibly mid-serving. Each
-# program loads one element of them, which alignment does not speed up.
+# Req_pool_indices and Seq_lens are batch views: one compiled variant for any alignment
+# (kernels/triton/decode_attention.py, BATCH_VIEW_ARGS).
 @triton.jit(do_not_specialize_on_alignment=["Req_pool_indices", "Seq_lens"])
 def _kv_indices_kernel(Req_to_token, Req_pool_indices, Seq_lens, Indptr, Out, stride_r2t, BLOCK: tl.constexpr):
     b = tl.program_id(0)

@@ -16,9 +16,8 @@ import triton.language as tl
 from kernels.triton import pdl
 
 
-# `loc` is a view into the batch's packed tensor (engine/forward_batch.py): whether its address is a multiple of
-# 16 bytes changes with the batch, and Triton would compile a variant per alignment, possibly mid-serving.
-# Each program loads one element of it, which alignment does not speed up.
+# `loc` is a batch view: one compiled variant for any alignment (kernels/triton/decode_attention.py,
+# BATCH_VIEW_ARGS).
 @triton.jit(do_not_specialize_on_alignment=["Loc"])
 def _store_kv_kernel(
     K,
