@@ -34,12 +34,13 @@ Load (503 queue_full + Retry-After, fastest first):
 """
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Deque, Dict, List, Optional, Tuple
 
 from ray.exceptions import ActorUnavailableError
 
@@ -87,6 +88,11 @@ def no_workers(message: str) -> APIError:
 
 def _worker_gone(exc: BaseException) -> bool:
     return is_dead(exc) or isinstance(exc, WrongReplicaError)
+
+
+def _next_of_choice(item: WorkerItem, out: Any) -> bool:
+    """Whether queued `item` is the next output of `out`'s choice (not an error, not another choice)."""
+    return item.error is None and item.output.index == out.index
 
 
 def may_continue(
@@ -447,15 +453,31 @@ class ClusterBackend(ServingBackend):
         continuation: Continuation,
     ) -> AsyncIterator[Any]:
         """The request's outputs with their text, until its last choice has ended here (attempt `engine_rid`
-        on `worker_id`); raises the error that ended it on the worker."""
+        on `worker_id`); raises the error that ended it on the worker.
+
+        When this replica falls behind (its event loop busy with other streams), the outputs of one choice
+        already waiting in `queue`, one after the other, are handed on as one (StreamOutput.then), as
+        `Engine.generate_stream(coalesce=True)` does for the single-node server: a loaded ingress then
+        detokenizes, encodes and writes fewer, larger deltas instead of falling further behind. Tokens,
+        text, logprobs and finish are the same; an error waiting behind outputs is raised after them."""
+        ready: Deque[WorkerItem] = collections.deque()
         while True:
-            item = await queue.get()
+            if not ready:
+                ready.append(await queue.get())
+            while not queue.empty():
+                ready.append(queue.get_nowait())
+            item = ready.popleft()
             if item.error is not None:
                 progress.failed = True
                 raise item.error
-            clock.on_chunk((item.output,))
-            progress.running -= item.output.finish_reason is not None
-            out = self._with_text(text, continuation.seen(item.output), worker_id, engine_rid, n)
+            raw = item.output
+            clock.on_chunk((raw,))
+            while raw.finish_reason is None and ready and _next_of_choice(ready[0], raw):
+                later = ready.popleft().output
+                clock.on_chunk((later,))
+                raw = raw.then(later)
+            progress.running -= raw.finish_reason is not None
+            out = self._with_text(text, continuation.seen(raw), worker_id, engine_rid, n)
             if out is not None:
                 progress.streamed = True
                 yield out
