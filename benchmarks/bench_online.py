@@ -34,7 +34,10 @@ has its own fixed seed, so no workload sends another's prompts again):
   multi-turn     chat, 32 conversations × 6 turns, 64-word questions, 128 out, all in flight
 --count WORKLOAD=N sets a workload's size (random: requests; shared-prefix: groups; multi-turn:
 conversations); arguments after `--` go to every workload's bench_serving options and win (e.g.
-`-- --input-len 64 --output-len 8` for a smoke test). Each server gets --warmup-requests short
+`-- --input-len 64 --output-len 8` for a smoke test). --repeat N runs each workload N times back to back
+(run k with seed + k × REPEAT_SEED_STEP: new prompts); the table and ratios use the run of median req/s,
+and the JSON's `repeats` lists every run (at 256 in flight, closed-loop runs of one server land in a
+slow or a fast mode, so one run can mislead). Each server gets --warmup-requests short
 requests before its first workload, not measured. Between the workloads of one server nothing is
 restarted: its prefix cache persists across workloads (every workload draws prompts no earlier one
 sent, so this favours no server).
@@ -230,9 +233,15 @@ def endpoint_over_engine(record: Dict[str, Any]) -> Dict[str, float]:
     return out
 
 
-def workload_argv(name: str, counts: Dict[str, int], extra: List[str]) -> List[str]:
-    """bench_serving options of one workload: its own, then --count's size, then the common extra ones."""
-    argv = list(WORKLOADS[name]) + COMMON + ["--seed", str(workload_seed(name))]
+REPEAT_SEED_STEP = 10_000
+"""Repeat k (0 = the first run) of a workload draws its prompts with the workload's seed + k × this: new
+prompts each time, so a repeat finds none of its prompts in the prefix cache the runs before it filled."""
+
+
+def workload_argv(name: str, counts: Dict[str, int], extra: List[str], repeat: int = 0) -> List[str]:
+    """bench_serving options of one workload (its `repeat`-th run): its own, then --count's size, then the
+    common extra ones."""
+    argv = list(WORKLOADS[name]) + COMMON + ["--seed", str(workload_seed(name) + REPEAT_SEED_STEP * repeat)]
     if name in counts:
         dataset = argv[argv.index("--dataset") + 1]
         argv += [COUNT_FLAG[dataset], str(counts[name])]
@@ -260,6 +269,22 @@ def pairs(items: List[str], what: str) -> List[tuple]:
 
 
 # --- the report: ratios, table, plot -------------------------------------------------------------
+
+
+def median_run(summaries: List[Dict[str, Any]]) -> int:
+    """Index of the run of median req/s among `summaries` (for an even count, the slower of the two middle
+    ones); runs with a failed request count only when every run had one."""
+    runs = [i for i, summary in enumerate(summaries) if not summary.get("failed")] or list(range(len(summaries)))
+    runs.sort(key=lambda i: -(lookup(summaries[i], "request_throughput") or 0.0))
+    return runs[len(runs) // 2]
+
+
+def repeat_figures(summary: Dict[str, Any], argv: List[str]) -> Dict[str, Any]:
+    """One run of a repeated workload as its JSON keeps it: its seed (bench_serving takes the last --seed)
+    and the table's figures."""
+    seed_at = len(argv) - 1 - argv[::-1].index("--seed")
+    figures = {key: lookup(summary, key) for key in SUMMARY_KEYS + ("ttft_ms.mean", "events_per_output_token")}
+    return dict(figures, seed=int(argv[seed_at + 1]))
 
 
 def ratios(runs: Dict[str, Dict[str, Any]], reference: str = "vllm") -> Dict[str, Dict[str, Dict[str, float]]]:
@@ -1245,6 +1270,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--warmup-requests", type=int, default=4)
     p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs of each workload on each server, back to back, each with new prompts; the table, the ratios "
+        "and the JSON's summary are the run of median req/s, `repeats` in the JSON lists every run",
+    )
+    p.add_argument(
         "--vllm-serve-script",
         default=os.path.join(ROOT, "benchmarks", "vllm_serve.sh"),
         help="the script that starts vLLM's server: SCRIPT MODEL_DIR PORT [flags] (vllm_serve.sh: set "
@@ -1320,6 +1352,8 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     signal.signal(signal.SIGTERM, terminate)
     checks, profiles = pairs(args.crosscheck, "--crosscheck"), pairs(args.profile, "--profile")
+    if args.repeat < 1:
+        raise SystemExit(f"--repeat must be at least 1, got {args.repeat}")
     torch_profiles = pairs(args.torch_profile, "--torch-profile")
     if any(server != "serving" for server, _ in torch_profiles):
         raise SystemExit("--torch-profile: only python -m serving records engine traces (serving:WORKLOAD)")
@@ -1397,29 +1431,45 @@ def main(argv: Optional[List[str]] = None) -> None:
             print(f"{name} answered after {server.started_s:.0f} s", flush=True)
             warm_up(server.base_url, args.warmup_requests)
             for w in args.workloads:
-                wargv = workload_argv(w, counts, extra)
-                before = _counters(server)
-                try:
-                    s = run_workload(wargv, server.base_url, args.workload_timeout)
-                except Exception as exc:  # noqa: BLE001 - record and go on to the next workload
-                    run.setdefault("errors", {})[w] = f"{type(exc).__name__}: {exc}"
-                    print(f"{name} {w}: {run['errors'][w]}", flush=True)
+                runs_of_w: List[Tuple[Dict[str, Any], List[str], Optional[Dict[str, Any]]]] = []
+                for k in range(args.repeat):
+                    wargv = workload_argv(w, counts, extra, k)
+                    before = _counters(server)
+                    try:
+                        s = run_workload(wargv, server.base_url, args.workload_timeout)
+                    except Exception as exc:  # noqa: BLE001 - record and go on to the next workload
+                        run.setdefault("errors", {})[w] = f"{type(exc).__name__}: {exc}"
+                        print(f"{name} {w}: {run['errors'][w]}", flush=True)
+                        break
+                    print(
+                        f"{name} {w}{f' (run {k + 1} of {args.repeat})' if args.repeat > 1 else ''}: "
+                        f"{s['request_throughput']:.2f} req/s, TTFT p50 {s['ttft_ms']['p50']:.1f} ms, "
+                        f"ITL p50 {s['itl_ms']['p50']:.2f} ms, TPOT {s['tpot_ms']['mean']:.2f} ms, "
+                        f"events/token {s['events_per_output_token']:.2f}, failed {s['failed']}",
+                        flush=True,
+                    )
+                    split = None
+                    if before is not None:
+                        split = _ttft_split(server, before, s)
+                        print(f"{name} {w}: TTFT mean split (ms) {json.dumps(split)}", flush=True)
+                    if name in RADIXSERVE:
+                        # a page leaked by any run is still missing after the last one: its check covers all
+                        run["kv"][w] = kv_when_idle(server)
+                        # the stats lines the server logged during this workload (the cluster: if Ray forwards them)
+                        run.setdefault("stats_lines", {}).setdefault(w, []).extend(server.new_stats_lines())
+                    runs_of_w.append((s, wargv, split))
+                if not runs_of_w:
                     continue
+                chosen = median_run([r[0] for r in runs_of_w])
+                s, _, split = runs_of_w[chosen]
                 run["workloads"][w] = s
-                print(
-                    f"{name} {w}: {s['request_throughput']:.2f} req/s, TTFT p50 {s['ttft_ms']['p50']:.1f} ms, "
-                    f"ITL p50 {s['itl_ms']['p50']:.2f} ms, TPOT {s['tpot_ms']['mean']:.2f} ms, "
-                    f"events/token {s['events_per_output_token']:.2f}, failed {s['failed']}",
-                    flush=True,
-                )
-                if before is not None:
-                    split = _ttft_split(server, before, s)
+                if split is not None:
                     run.setdefault("ttft_split_ms", {})[w] = split
-                    print(f"{name} {w}: TTFT mean split (ms) {json.dumps(split)}", flush=True)
-                if name in RADIXSERVE:
-                    run["kv"][w] = kv_when_idle(server)
-                    # the stats lines the server logged during this workload (the cluster: if Ray forwards them)
-                    run.setdefault("stats_lines", {})[w] = server.new_stats_lines()
+                if args.repeat > 1:
+                    run.setdefault("repeats", {})[w] = {
+                        "median_run": chosen,
+                        "runs": [repeat_figures(summary, wargv) for summary, wargv, _ in runs_of_w],
+                    }
                 if (name, w) in checks:
                     key = f"{name}:{w}"
                     try:
@@ -1455,6 +1505,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     save()
     print()
     print(table(record))
+    for server, r in ordered(runs).items():
+        for w, rep in r.get("repeats", {}).items():
+            rates = ", ".join(f"{x['request_throughput']:.2f}" for x in rep["runs"])
+            print(f"repeats {server} {w}: req/s {rates} (the table: run {rep['median_run'] + 1}, the median)")
     for key, c in record["crosscheck"].items():
         if "agreement" in c:
             print(

@@ -279,6 +279,32 @@ def test_bench_online_ratios_and_table_from_fabricated_summaries():
     ]
 
 
+def test_bench_online_repeats_draw_new_prompts_and_report_the_median_run():
+    """--repeat: run k of a workload has its own seed (new prompts, none in the cache the runs before filled,
+    and no other workload's); the table's run is the one of median req/s, a run with a failed request only
+    when all had one; the JSON keeps each run's seed and figures."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_online
+
+    def seed(argv):
+        return argv[argv.index("--seed") + 1]
+
+    seeds = {seed(bench_online.workload_argv(w, {}, [], k)) for w in bench_online.WORKLOADS for k in range(3)}
+    assert len(seeds) == 3 * len(bench_online.WORKLOADS)
+    assert seed(bench_online.workload_argv("random-64", {}, [], 0)) == str(bench_online.workload_seed("random-64"))
+
+    def run(rate, failed=0):
+        return {"request_throughput": rate, "failed": failed, "ttft_ms": {"p50": 1.0, "mean": 2.0}}
+
+    assert bench_online.median_run([run(19.4), run(22.0), run(20.1)]) == 2
+    assert bench_online.median_run([run(19.4), run(22.0)]) == 0  # even count: the slower middle one
+    assert bench_online.median_run([run(30.0, failed=1), run(19.4), run(22.0)]) == 1
+    assert bench_online.median_run([run(30.0, failed=1)]) == 0
+    argv = bench_online.workload_argv("random-256", {}, ["--seed", "7"], 1)  # a --seed after `--` wins
+    figures = bench_online.repeat_figures(run(21.97), argv)
+    assert figures["seed"] == 7 and figures["request_throughput"] == 21.97 and figures["ttft_ms.mean"] == 2.0
+
+
 def test_bench_online_engine_tpot_is_measured_at_the_random_1_shape_and_compared():
     """--engine-tpot: bench_decode's engine TPOT at random-1's input / output lengths, and each radixserve
     server's random-1 TPOT over it (vLLM's is not ours to compare with the engine)."""
