@@ -119,11 +119,6 @@ class _Collector:
         return [_merge(i, outs) for i, outs in enumerate(self.outputs)]
 
 
-def _same_choice(item: Any, out: StreamOutput) -> bool:
-    """Whether queued `item` is the next output of `out`'s choice."""
-    return isinstance(item, StreamOutput) and item.index == out.index
-
-
 def _merge(index: int, outs: List[StreamOutput]) -> GenerateOutput:
     last = outs[-1]
     logprobs = [lp for o in outs for lp in (o.logprobs or [])]
@@ -248,7 +243,7 @@ class Engine:
                     handoff = await remote_prefill(item)
                     self.core.send(CompleteReceive(group.rid, handoff))
                     continue
-                while coalesce and item.finish_reason is None and ready and _same_choice(ready[0], item):
+                while coalesce and ready and item.continues_with(ready[0]):
                     item = item.then(ready.popleft())
                 pending -= item.finish_reason is not None
                 yield item

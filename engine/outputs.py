@@ -93,6 +93,11 @@ class StreamOutput:
     prompt_logprobs: Optional[List[TokenLogprob]] = None
     """On the first output only, when sampling_params.prompt_logprobs is set."""
 
+    def continues_with(self, later: Any) -> bool:
+        """Whether `later` (something queued after this output) may be merged into it with `then`: an output of
+        the same choice, this one not its last."""
+        return self.finish_reason is None and isinstance(later, StreamOutput) and later.index == self.index
+
     def then(self, later: "StreamOutput") -> "StreamOutput":
         """This output followed by `later` (the next output of the same choice) as one output: the tokens,
         text and logprobs of both in order; the finish, stop and counts of `later`."""

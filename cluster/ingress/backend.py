@@ -90,11 +90,6 @@ def _worker_gone(exc: BaseException) -> bool:
     return is_dead(exc) or isinstance(exc, WrongReplicaError)
 
 
-def _next_of_choice(item: WorkerItem, out: Any) -> bool:
-    """Whether queued `item` is the next output of `out`'s choice (not an error, not another choice)."""
-    return item.error is None and item.output.index == out.index
-
-
 def may_continue(
     cause: BaseException,
     progress: "RequestProgress",
@@ -472,7 +467,7 @@ class ClusterBackend(ServingBackend):
                 raise item.error
             raw = item.output
             clock.on_chunk((raw,))
-            while raw.finish_reason is None and ready and _next_of_choice(ready[0], raw):
+            while ready and ready[0].error is None and raw.continues_with(ready[0].output):
                 later = ready.popleft().output
                 clock.on_chunk((later,))
                 raw = raw.then(later)
