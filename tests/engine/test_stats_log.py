@@ -107,6 +107,32 @@ def test_a_busy_engine_logs_lines_and_an_idle_one_does_not(tmp_path, caplog):
             engine.shutdown()
 
 
+def test_a_core_process_under_a_warning_root_logger_still_logs_its_lines(tmp_path, capfd):
+    """A Ray replica's root logger is at WARNING and the core process inherits that level: the stats lines
+    (asked for with log_stats_interval_s) must still reach the process's stderr, which Ray forwards."""
+    from engine_harness import write_tiny_config
+
+    root = logging.getLogger()
+    stats_logger = logging.getLogger("engine.core.stats_log")
+    levels = root.level, stats_logger.level
+    root.setLevel(logging.WARNING)
+    stats_logger.setLevel(logging.NOTSET)
+    try:
+        folder = write_tiny_config(tmp_path)
+        engine = make_engine(
+            model=folder, load_format="dummy", skip_tokenizer_init=True, core_process=True, log_stats_interval_s=1e-6
+        )
+        try:
+            engine.generate([[1, 2, 3, 4]] * 3, dict(temperature=0.0, max_new_tokens=8, ignore_eos=True))
+        finally:
+            engine.shutdown()
+    finally:
+        root.setLevel(levels[0])
+        stats_logger.setLevel(levels[1])
+    err = capfd.readouterr().err
+    assert "engine.core.stats_log: last " in err and "longest step" in err
+
+
 def test_device_clock_on_the_cpu_records_nothing():
     import torch
 
