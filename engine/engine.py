@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Deque, Dict, List, Optional, Sequence, Union
 
 from engine.config import EngineConfig
+from engine.core.client import CALL_TIMEOUT_S
 from engine.core.messages import AbortRequest, AddRequest, AddRequests, CompleteReceive, ReleaseSent
 from engine.errors import EngineAbortedError, EngineDeadError, InvalidRequestError, PromptTooLongError, QueueFullError
 from engine.models.source import resolve_model
@@ -302,8 +303,14 @@ class Engine:
         """Running / waiting requests, KV usage, cache hit rate and counters (taken between two steps)."""
         return self.core.call("stats")
 
-    async def stats_async(self) -> EngineStats:
-        return await self.core.call_async("stats")
+    async def stats_async(self, timeout: float = CALL_TIMEOUT_S) -> EngineStats:
+        """stats() from an event loop; TimeoutError when the core does not answer within `timeout` s."""
+        return await self.core.call_async("stats", timeout=timeout)
+
+    def core_state(self) -> str:
+        """One line on where the engine's core stands (its process, the loop reading it, calls waiting): what a
+        caller logs when the core did not answer."""
+        return self.core.state()
 
     def drain_cache_events(self) -> list:
         """Radix-cache insert/evict events since the last call (needs enable_cache_events=True)."""

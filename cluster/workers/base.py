@@ -39,6 +39,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger("ray.serve")
 
+HEALTH_CALL_TIMEOUT_S = 30.0
+"""How long a health check waits for the engine's stats: a core answers calls between two steps, so a live
+one takes milliseconds; half of Serve's health_check_timeout_s (cluster/app.py), so the check fails with
+the core's state in the replica's log rather than by Serve's timeout."""
+
 
 MAX_EARLY_ABORTS = 4096
 
@@ -205,8 +210,19 @@ class WorkerBase:
         return {self.replica_id: list(self._served)}
 
     async def check_health(self) -> None:
-        """Serve calls this periodically; raising marks the replica unhealthy (it is replaced)."""
-        await self.engine.stats_async()
+        """Serve calls this periodically; raising marks the replica unhealthy (it is replaced). A dead core
+        raises at once; one that does not answer within HEALTH_CALL_TIMEOUT_S fails the check with its state
+        logged, before Serve's own timeout (cluster/app.py) would."""
+        try:
+            await self.engine.stats_async(timeout=HEALTH_CALL_TIMEOUT_S)
+        except TimeoutError:
+            logger.error(
+                "worker %s: the engine did not answer a health check within %.0f s (%s)",
+                self.replica_id,
+                HEALTH_CALL_TIMEOUT_S,
+                self.engine.core_state(),
+            )
+            raise
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)

@@ -59,6 +59,10 @@ class CoreClient(abc.ABC):
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Deliver outputs on `loop` from now on (ProcessCore); a no-op where the core delivers itself."""
 
+    def state(self) -> str:
+        """One line on where the core and this client stand, for the log of a call that got no answer."""
+        return f"dead: {self.dead!r}; calls waiting: {len(self._calls)}"
+
     # ---- calls ---------------------------------------------------------------------------
     def call(self, method: str, *args: Any, timeout: float = CALL_TIMEOUT_S) -> Any:
         fut = self._start_call(method, args)

@@ -55,6 +55,10 @@ class ThreadCore(CoreClient):
         self._inbox.put(_RunInLoop(fn, fut))
         return fut
 
+    def state(self) -> str:
+        queued = self._inbox.qsize()
+        return f"loop thread alive: {self._thread.is_alive()}; messages queued: {queued}; {super().state()}"
+
     def shutdown(self) -> None:
         if self._thread.is_alive():
             self._inbox.put(Shutdown())

@@ -319,6 +319,15 @@ class ProcessCore(CoreClient):
     def pid(self) -> int:
         return self._proc.pid
 
+    def state(self) -> str:
+        loop = self._loop
+        reader = "none" if loop is None else "closed" if loop.is_closed() else "idle"
+        reader = "running" if loop is not None and loop.is_running() else reader
+        return (
+            f"core process {self._proc.pid}: exit code {self._proc.poll()} (None: running); "
+            f"reading loop: {reader}; stopping: {self._stopping}; {super().state()}"
+        )
+
 
 # ---- the core process ---------------------------------------------------------------------------
 def _exit_with_parent(parent_pid: int) -> None:

@@ -105,6 +105,23 @@ def test_structured_output_through_the_core_process(process_engine, default_engi
     assert got.token_ids == want.token_ids
 
 
+def test_a_core_that_does_not_answer_times_out_a_call_and_says_where_it_stands(process_engine):
+    """A stopped (SIGSTOP) core answers no call: stats_async(timeout) raises TimeoutError, and core_state()
+    (what a worker's health check logs then) names the live process and the call waiting; once resumed it
+    answers again."""
+    engine = process_engine
+    os.kill(engine.core.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(TimeoutError):
+            asyncio.run(engine.stats_async(timeout=0.5))
+        state = engine.core_state()
+        assert f"core process {engine.core.pid}: exit code None" in state and "calls waiting: 1" in state, state
+    finally:
+        os.kill(engine.core.pid, signal.SIGCONT)
+    assert asyncio.run(engine.stats_async(timeout=30)).running == 0
+    assert_no_leak(engine)
+
+
 def test_a_killed_core_fails_every_request(process_engine):
     """Kills the module's core process, so it runs last; the fixture's shutdown then meets a dead core."""
     engine = process_engine
@@ -120,3 +137,4 @@ def test_a_killed_core_fails_every_request(process_engine):
     asyncio.run(asyncio.wait_for(run(), 60))
     with pytest.raises(EngineDeadError):
         engine.generate("more", dict(max_new_tokens=2))
+    assert f"core process {engine.core.pid}: exit code -9" in engine.core_state()
