@@ -24,11 +24,39 @@ except ImportError:  # pragma: no cover
     HAS_CUDA = False
 
 
+RAY_PATHS = ("tests/cluster/", "tests/deploy/test_helm.py")
+"""Tests that start Ray or a server on a fixed port. tests/run.sh runs pytest-xdist with two workers and
+`--dist loadscope`, and pytest_xdist_make_scheduler below makes these one scope: one worker runs them all,
+first and in order, so that one Ray cluster is up at a time (a process holds one, and the cluster modules
+size theirs for the machine's 2 CPUs) and the modules of tests/cluster/conftest.py's SHARED_SERVE stay next
+to each other. Every other test is a scope of its own, for whichever worker is free."""
+
+
+def _starts_ray(nodeid: str) -> bool:
+    return nodeid.startswith(RAY_PATHS)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
+    items.sort(key=lambda item: not _starts_ray(item.nodeid))  # stable: the longest scope starts first
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadscope`, with the scopes of RAY_PATHS's docstring."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayScopeScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "ray" if _starts_ray(nodeid) else nodeid
+
+    return RayScopeScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

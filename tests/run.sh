@@ -12,7 +12,9 @@ VENV=${RADIXSERVE_VENV:-.venv}
 "$VENV/bin/ruff" format --check --quiet .
 "$VENV/bin/lint-imports" --no-cache > /dev/null || "$VENV/bin/lint-imports" --no-cache
 set +e
-"$VENV/bin/python" -m pytest "$@"
+# Two workers (pytest-xdist): the tests that start Ray run one after another on one of them (tests/conftest.py,
+# RAY_PATHS), the rest on the other; `-n 0` among the arguments runs everything in this process.
+"$VENV/bin/python" -m pytest -n 2 --dist loadscope "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
