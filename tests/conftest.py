@@ -47,7 +47,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadscope`, with the scopes of RAY_PATHS's docstring."""
+    """`--dist loadscope`, with the scopes of RAY_PATHS's docstring. (Not `--dist loadgroup` with xdist_group
+    marks: pytest-xdist 3.8 names a group by appending it to `item._nodeid`, which pytest 9's node ids no longer
+    read. `_split_scope` is the method LoadScopeScheduling's own subclasses override; xdist is pinned.)"""
     if config.getvalue("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
