@@ -35,6 +35,7 @@ from engine.errors import InvalidConfigError
 from cluster.ingress.deployment import Ingress
 from cluster.router.router import RouterDeployment
 from cluster.scaling.policy import deployment_options, scaling_config
+from cluster.workers.base import HEALTH_CALL_TIMEOUT_S
 from cluster.workers.decode import DecodeWorker
 from cluster.workers.prefill import PrefillWorker
 from cluster.workers.unified import Worker
@@ -100,7 +101,7 @@ def _pool_deployment(cls, name: str, pool: str, args: ClusterArgs, num_gpus: flo
         ray_actor_options={"num_cpus": _cpus_per_worker(args), "num_gpus": num_gpus},
         request_router_config=RequestRouterConfig(request_router_class=PINNED_ROUTER),
         health_check_period_s=args.health_check_period_s,
-        health_check_timeout_s=60,
+        health_check_timeout_s=2 * HEALTH_CALL_TIMEOUT_S,  # the worker's own check fails first, with a log line
         graceful_shutdown_timeout_s=5,
         graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
         logging_config={"enable_access_log": args.worker_access_log},

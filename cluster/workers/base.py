@@ -41,8 +41,8 @@ logger = logging.getLogger("ray.serve")
 
 HEALTH_CALL_TIMEOUT_S = 30.0
 """How long a health check waits for the engine's stats: a core answers calls between two steps, so a live
-one takes milliseconds; half of Serve's health_check_timeout_s (cluster/app.py), so the check fails with
-the core's state in the replica's log rather than by Serve's timeout."""
+one takes milliseconds; shorter than Serve's health_check_timeout_s, so the check fails with
+the core's state in the replica's log rather than by Serve's timeout (cluster/app.py sets that to twice this)."""
 
 
 MAX_EARLY_ABORTS = 4096

@@ -49,9 +49,10 @@ class StatsLog:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self.interval_s = interval_s
-        if not logger.isEnabledFor(logging.INFO):
+        if logger.level == logging.NOTSET and not logger.isEnabledFor(logging.INFO):
             # A positive interval asks for the lines: a process whose root logger stays at WARNING (a Ray
-            # replica's, whose level the engine core process inherits) would drop every one of them.
+            # replica's, whose level the engine core process inherits) would drop every one of them. A level
+            # set on this logger itself is the caller's choice and stays.
             logger.setLevel(logging.INFO)
         self._clock = clock
         self._since = clock()
