@@ -56,7 +56,7 @@ def test_timeout_ends_the_request_and_frees_its_pages(default_engine):
                 "model": MODEL,
                 "messages": [{"role": "user", "content": "Hi"}],
                 "stream": True,
-                "timeout": 0.5,
+                "timeout": 5,  # its first token comes well before (else a 504); its 3,000 tokens do not
                 **LONG,
             },
         ) as s:
@@ -72,7 +72,8 @@ def test_timeout_ends_the_request_and_frees_its_pages(default_engine):
 
 
 def test_the_server_default_deadline_bounds_every_request(default_engine):
-    with serve(_app(default_engine, request_timeout_s=0.5)) as url, httpx.Client(base_url=url, timeout=60) as c:
+    # 5 s: far below the 3,000 tokens' time on CPU, far above a 2-token request's even on a loaded machine
+    with serve(_app(default_engine, request_timeout_s=5.0)) as url, httpx.Client(base_url=url, timeout=60) as c:
         r = c.post(
             "/generate",
             json={"text": "Hi", "timeout": 100, "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}},
