@@ -242,6 +242,19 @@ class TransferHandle:
     """Backend-private state (native handles, works)."""
 
 
+def poll_delay(previous_s: float, waited_s: float) -> float:
+    """Seconds until the next poll of a transfer, after `previous_s`, `waited_s` into its wait.
+
+    A transfer takes 0.1-10 ms once it starts, and a late poll adds straight to the request's TTFT: the
+    delay doubles from 50 us up to 0.2 ms (a poll costs ~10 us of the event loop). But a receiver's wait
+    starts before its prompt is computed, which under load takes seconds, and a poll every 0.2 ms all
+    along keeps the event loop busy for every handoff in flight: past 20 ms of waiting, the cap becomes
+    1% of the time waited so far, at most 2 ms (a poll is then late by at most 1% of the wait).
+    """
+    cap = min(max(2e-4, waited_s / 100), 2e-3)
+    return min(max(2 * previous_s, 5e-5), cap)
+
+
 class Waitable:
     """`wait` and `wait_sync` over a transfer endpoint's `poll` and `release` (KVTransferBackend, and
     kv_transfer.ranked.RankedTransfer, which drives one backend per tensor-parallel rank)."""
@@ -254,11 +267,12 @@ class Waitable:
 
     async def wait(self, handle: Any, timeout_s: float) -> None:
         """Poll `handle` until DONE without blocking the event loop; ALWAYS releases it (also when
-        the awaiting task is cancelled). Polls back off from 0 to 0.2 ms between tries.
+        the awaiting task is cancelled). Polls back off as `poll_delay` says.
 
         Raises KVTransferError if it FAILED, KVTransferTimeout if not done within `timeout_s`.
         """
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        deadline = start + timeout_s
         delay = 0.0
         try:
             while True:
@@ -275,9 +289,7 @@ class Waitable:
                         f"{handle.peer!r}) not done after {timeout_s:.3g} s"
                     )
                 await asyncio.sleep(delay)
-                # A handoff's transfer takes 0.1-10 ms: a late poll adds straight to the request's TTFT,
-                # so the back-off stops at 0.2 ms (a poll costs ~10 us of this event loop).
-                delay = min(max(2 * delay, 5e-5), 2e-4)
+                delay = poll_delay(delay, time.monotonic() - start)
         finally:
             self.release(handle)
 

@@ -72,6 +72,22 @@ def nixl_pair():
         sender.close()
 
 
+def test_poll_delay_is_short_at_first_then_a_bounded_share_of_the_wait():
+    """A transfer's first 20 ms are polled at most 0.2 ms apart; later polls are at most 1% of the time
+    waited so far apart (at most 2 ms), and the delay never shrinks while the wait goes on."""
+    from cluster.kv_transfer.base import poll_delay
+
+    delay, waited, delays = 0.0, 0.0, []
+    while waited < 5.0:
+        delay = poll_delay(delay, waited)
+        delays.append((waited, delay))
+        waited += delay + 1e-5  # the poll itself
+    assert delays[0][1] == 5e-5 and all(b >= a for (_, a), (_, b) in zip(delays, delays[1:]))
+    assert all(d <= 2e-4 for w, d in delays if w < 0.02)
+    assert all(d <= max(2e-4, w / 100) for w, d in delays) and max(d for _, d in delays) == 2e-3
+    assert len(delays) < 5000  # a 5 s wait: thousands of polls, not 25,000
+
+
 def test_page_runs_coalesce_consecutive_pages_on_both_sides():
     src = np.array([3, 4, 5, 9, 10, 2])
     dst = np.array([7, 8, 9, 1, 11, 12])
