@@ -45,6 +45,22 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: not _starts_ray(item.nodeid))  # stable: the longest scope starts first
 
 
+OTHER_TESTS_NICENESS = 10
+"""Under pytest-xdist, a worker lowers its CPU priority by this much (os.nice, inherited by the engine and server
+processes its tests start) before its first test outside RAY_PATHS. The Ray scope runs first on its worker and
+is the run's longest path: its replicas start, fail over and scale against timeouts, and Ray's own loops cost
+CPU for as long as it runs, so the 2 CPUs go to it first and the other tests take what it leaves."""
+
+_niced = False
+
+
+def pytest_runtest_setup(item):
+    global _niced
+    if not _niced and hasattr(item.config, "workerinput") and not _starts_ray(item.nodeid):
+        _niced = True
+        os.nice(OTHER_TESTS_NICENESS)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """`--dist loadscope`, with the scopes of RAY_PATHS's docstring. (Not `--dist loadgroup` with xdist_group
