@@ -14,6 +14,9 @@ VENV=${RADIXSERVE_VENV:-.venv}
 set +e
 # Two workers (pytest-xdist): the tests that start Ray run one after another on one of them (tests/conftest.py,
 # RAY_PATHS), the rest on the other; `-n 0` among the arguments runs everything in this process.
+# One compute thread per process (torch's intra-op pool, inherited by the processes tests start): the two workers
+# keep both CPUs busy, and a second thread per process only adds OpenMP's spinning and synchronisation.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 "$VENV/bin/python" -m pytest -n 2 --dist loadscope "$@"
 rc=$?
 set -e
