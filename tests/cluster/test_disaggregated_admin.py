@@ -1,8 +1,10 @@
 """Acceptance 1, disaggregated: through the admin API, while clients keep sending requests, the
 decode pool goes 1 → 2 replicas while the prefill pool stays at 1, and then the reverse (prefill
 1 → 2 while decode stays at 1). No request fails, the router starts using each new replica, and
-the pool left alone keeps its replica. CPU cluster (mode=disaggregated, KV over NIXL in host memory)
-shared with test_disaggregated.py, which runs first (disagg_harness.py). Nothing here asserts on timings.
+the pool left alone keeps its replica. Then one of two decode replicas is killed mid-stream: the
+streams go on, and the prefill replica and the surviving decode replica hold no page. CPU cluster
+(mode=disaggregated, KV over NIXL in host memory) shared with test_disaggregated.py, which runs first
+(disagg_harness.py). Nothing here asserts on timings.
 """
 
 import asyncio
@@ -10,7 +12,7 @@ import asyncio
 import pytest
 
 from cluster_harness import streams_across_a_kill
-from disagg_harness import ADMIN, APP, MODEL, USER
+from disagg_harness import ADMIN, APP, MODEL, USER, all_idle_and_clean
 from pools_harness import Load, running_ids, settle, wait_for
 
 ray = pytest.importorskip("ray")
@@ -73,3 +75,7 @@ def test_decode_replica_killed_mid_stream_streams_go_on(cluster, http):
     )
     assert [text for text, _ in results] == reference
     print("largest gap between events per stream (s):", sorted(round(gap, 2) for _, gap in results))
+    # the prefill replica (the sender of every handoff) and the surviving decode replica hold nothing
+    wait_for(lambda: all_idle_and_clean(http), 60, "no leak after the decode replica died")
+    r = http.post("/v1/completions", json=dict(greedy, prompt="After the kill", max_tokens=4), headers=USER)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
