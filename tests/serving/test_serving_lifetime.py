@@ -125,8 +125,11 @@ def test_drain_lets_running_streams_finish_then_stops(default_engine):
         results = pool.submit(_stream_all, url, bodies, started)
         started.wait()
         server.should_exit = True  # what uvicorn's SIGTERM handler does
-        time.sleep(0.3)
-        assert app.state.serving.lifetimes.draining
+        deadline = time.monotonic() + 30  # uvicorn looks every 0.1 s; a loaded machine may take longer
+        while not app.state.serving.lifetimes.draining:
+            assert time.monotonic() < deadline, "the server did not start draining"
+            time.sleep(0.05)
+        time.sleep(0.3)  # uvicorn closes its listener right after the drain starts, in the same step
         with pytest.raises(httpx.ConnectError):
             httpx.post(f"{url}/v1/completions", json=_cmpl(max_tokens=2), timeout=5)
         streams = results.result(timeout=120)
