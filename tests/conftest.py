@@ -47,9 +47,9 @@ def pytest_collection_modifyitems(config, items):
 
 OTHER_TESTS_NICENESS = 10
 """Under pytest-xdist, a worker lowers its CPU priority by this much (os.nice, inherited by the engine and server
-processes its tests start) before its first test outside RAY_PATHS. The Ray scope runs first on its worker and
-is the run's longest path: its replicas start, fail over and scale against timeouts, and Ray's own loops cost
-CPU for as long as it runs, so the 2 CPUs go to it first and the other tests take what it leaves."""
+processes its tests start) before its first test outside RAY_PATHS (the Ray scope runs first on its worker).
+The Ray tests' replicas start, fail over and scale against timeouts, and Ray's own loops cost CPU for as long
+as they run, so the 2 CPUs go to them first and the other tests take what they leave."""
 
 _niced = False
 
