@@ -321,8 +321,9 @@ class ProcessCore(CoreClient):
 
     def state(self) -> str:
         loop = self._loop
-        reader = "none" if loop is None else "closed" if loop.is_closed() else "idle"
-        reader = "running" if loop is not None and loop.is_running() else reader
+        reader = (
+            "none" if loop is None else "running" if loop.is_running() else "closed" if loop.is_closed() else "idle"
+        )
         return (
             f"core process {self._proc.pid}: exit code {self._proc.poll()} (None: running); "
             f"reading loop: {reader}; stopping: {self._stopping}; {super().state()}"

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from cluster_harness import wait_for
 from engine_harness import assert_no_leak
 from serving_harness import MODEL, python_m_serving, serve, wait_idle
 
@@ -125,10 +126,8 @@ def test_drain_lets_running_streams_finish_then_stops(default_engine):
         results = pool.submit(_stream_all, url, bodies, started)
         started.wait()
         server.should_exit = True  # what uvicorn's SIGTERM handler does
-        deadline = time.monotonic() + 30  # uvicorn looks every 0.1 s; a loaded machine may take longer
-        while not app.state.serving.lifetimes.draining:
-            assert time.monotonic() < deadline, "the server did not start draining"
-            time.sleep(0.05)
+        # uvicorn looks every 0.1 s; a loaded machine may take longer
+        wait_for(lambda: app.state.serving.lifetimes.draining, 30, "the server to start draining", 0.05)
         time.sleep(0.3)  # uvicorn closes its listener right after the drain starts, in the same step
         with pytest.raises(httpx.ConnectError):
             httpx.post(f"{url}/v1/completions", json=_cmpl(max_tokens=2), timeout=5)
