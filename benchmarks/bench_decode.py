@@ -316,6 +316,12 @@ def main() -> None:
         help="EngineConfig.gemv_max_rows (default: the engine's): 1 = GEMV kernel for batch 1 only",
     )
     p.add_argument(
+        "--cublaslt-max-rows",
+        type=int,
+        default=ENGINE_DEFAULTS.cublaslt_max_rows,
+        help="EngineConfig.cublaslt_max_rows (default: the engine's): 0 = torch's default BLAS path for every GEMM",
+    )
+    p.add_argument(
         "--triton-decode-max-bs",
         type=int,
         default=ENGINE_DEFAULTS.triton_decode_max_bs,
@@ -358,6 +364,7 @@ def main() -> None:
     options = dict(
         disable_gemv=args.disable_gemv,
         gemv_max_rows=args.gemv_max_rows,
+        cublaslt_max_rows=args.cublaslt_max_rows,
         disable_pdl=args.disable_pdl,
         triton_decode_max_bs=args.triton_decode_max_bs,
     )
@@ -459,6 +466,7 @@ def main() -> None:
                 cuda_graphs=graphs_on,
                 gemv=not args.disable_gemv,
                 gemv_max_rows=0 if args.disable_gemv else args.gemv_max_rows,
+                cublaslt_max_rows=args.cublaslt_max_rows,
                 pdl=not args.disable_pdl,
                 startup_s=startup,
                 results=rows,

@@ -100,6 +100,16 @@ class EngineConfig:
             )
         },
     )
+    cublaslt_max_rows: int = field(
+        default=64,
+        metadata={
+            "help": (
+                "bf16/fp16 matmuls of more rows than the GEMV kernels take and up to this many (decode steps of"
+                " medium batches) take torch's cuBLASLt path on CUDA, whose kernels are faster there; 0: torch's"
+                " default path for all of them."
+            )
+        },
+    )
     triton_decode_max_bs: int = field(
         default=256,
         metadata={
@@ -270,6 +280,7 @@ class EngineConfig:
             f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
         )
         check(0 <= self.gemv_max_rows <= 16, f"gemv_max_rows must be in [0, 16], got {self.gemv_max_rows}")
+        check(self.cublaslt_max_rows >= 0, f"cublaslt_max_rows must be >= 0, got {self.cublaslt_max_rows}")
         check(self.triton_decode_max_bs >= 0, f"triton_decode_max_bs must be >= 0, got {self.triton_decode_max_bs}")
         check(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         check(

@@ -10,8 +10,9 @@ launch for residual-add + RMSNorm, SiLU-and-mul, and RoPE of q and k together),
 which round at the same places as the torch code; elsewhere plain torch. The
 kernel module is imported on first CUDA use, so CPU installs never import triton.
 `Linear` runs a product of up to GEMV_MAX_ROWS rows (the decode step of a small
-batch, or those rows' logits) with kernels/triton/gemv.py on CUDA, every other
-product with F.linear.
+batch, or those rows' logits) with kernels/triton/gemv.py on CUDA, a product of a
+few more rows (up to CUBLASLT_MAX_ROWS: a decode step of a medium batch) with
+torch's cuBLASLt path, every other product with F.linear as torch dispatches it.
 """
 
 from __future__ import annotations
@@ -68,6 +69,49 @@ def gemv(
     return gemv_kernel(x, weight, bias, out_dtype=out_dtype)
 
 
+CUBLASLT_MAX_ROWS = 64
+
+
+def cublaslt_applies(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether the product of `x` ((rows, K)) with `module`'s weight takes torch's cuBLASLt path: CUDA, more
+    rows than the GEMV kernels take and at most `module.cublaslt_rows` (set_cublaslt,
+    EngineConfig.cublaslt_max_rows), 16-bit activations.
+
+    Both of torch's BLAS paths call NVIDIA's kernels, but their heuristics pick different ones: on the
+    decode steps of 32 and 64 requests cuBLASLt's are faster, on larger products cuBLAS's are not
+    (benchmarks/README.md, "cuBLASLt for medium batches"). The choice depends on the row count alone, so a
+    step rounds the same way with CUDA graphs on and off.
+    """
+    rows = x.shape[0] if x.dim() == 2 else 0
+    return (
+        x.is_cuda
+        and getattr(module, "gemv_rows", GEMV_MAX_ROWS) < rows <= getattr(module, "cublaslt_rows", 0)
+        and x.dtype in (torch.bfloat16, torch.float16)
+    )
+
+
+def linear_cublaslt(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear through torch's cuBLASLt path (`torch.backends.cuda.preferred_blas_library`, a process-wide
+    setting read when the product is launched), the setting restored afterwards. The engine runs its
+    forward passes on one thread, so no other product sees the switch."""
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        return F.linear(x, weight, bias)
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
+def set_cublaslt(model: nn.Module, max_rows: int) -> None:
+    """Products of more rows than the GEMV kernels take and up to `max_rows` (0: none) of every Linear in
+    `model` take torch's cuBLASLt path."""
+    if max_rows < 0:
+        raise ValueError(f"max_rows must be >= 0, got {max_rows}")
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.cublaslt_rows = max_rows
+
+
 def set_gemv(model: nn.Module, max_rows: int) -> None:
     """Products of up to `max_rows` rows (0: none) of every Linear in `model`, and of its logits, go to the
     GEMV kernels."""
@@ -87,10 +131,13 @@ class Linear(nn.Linear):
     """
 
     gemv_rows = GEMV_MAX_ROWS
+    cublaslt_rows = CUBLASLT_MAX_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if gemv_applies(self, x):
             return gemv(x, self.weight, self.bias)
+        if cublaslt_applies(self, x):
+            return linear_cublaslt(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

@@ -31,7 +31,7 @@ from engine.memory.allocator import TokenToKVPoolAllocator
 from engine.memory.kv_pool import KVPool
 from engine.forward_batch import ForwardMode
 from engine.memory.req_to_token import RecordingReqToTokenPool, ReqToTokenPool
-from engine.models.layers import set_gemv
+from engine.models.layers import set_cublaslt, set_gemv
 from engine.models.loader import load_config, load_model
 from engine.models.source import ModelSource
 from engine.outputs import TokenLogprob
@@ -137,6 +137,7 @@ class ModelRunner:
                 f"smaller dtype or a smaller model"
             ) from exc
         set_gemv(self.model, 0 if self.config.disable_gemv else self.config.gemv_max_rows)
+        set_cublaslt(self.model, self.config.cublaslt_max_rows)
         if self.device.type == "cuda":
             from kernels.triton import pdl  # noqa: PLC0415  (GPU path only)
 

@@ -229,6 +229,46 @@ def test_linear_uses_gemv_only_for_few_rows_on_cuda():
         set_gemv(layer, MAX_ROWS + 1)
 
 
+def test_linear_takes_cublaslt_only_between_the_gemv_rows_and_its_bound():
+    from engine.models.layers import CUBLASLT_MAX_ROWS, Linear, cublaslt_applies, set_cublaslt, set_gemv
+
+    layer = Linear(64, 32, bias=True)
+    x = torch.randn(CUBLASLT_MAX_ROWS, 64)
+    assert not cublaslt_applies(layer, x)  # CPU: F.linear
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    with pytest.raises(ValueError, match="max_rows"):
+        set_cublaslt(layer, -1)
+    if GPU:
+        layer = layer.to(device=DEVICE, dtype=torch.bfloat16)
+        rows = {m: torch.randn(m, 64, device=DEVICE, dtype=torch.bfloat16) for m in (MAX_ROWS, MAX_ROWS + 1, 64, 65)}
+        assert [cublaslt_applies(layer, x) for x in rows.values()] == [False, True, True, False]
+        assert not cublaslt_applies(layer, rows[64].float())  # float32 keeps torch's default path
+        set_cublaslt(layer, 0)
+        assert not any(cublaslt_applies(layer, x) for x in rows.values())
+        set_cublaslt(layer, 64)
+        set_gemv(layer, 0)  # no GEMV kernels: cuBLASLt from one row
+        assert cublaslt_applies(layer, rows[MAX_ROWS])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [17, 32, 64])
+def test_gpu_linear_cublaslt_matches_f_linear_and_restores_the_setting(m):
+    """The medium-batch path rounds like any cuBLAS product (float32 sums, one rounding) and leaves torch's
+    process-wide BLAS preference as it found it."""
+    from engine.models.layers import Linear, linear_cublaslt
+
+    before = torch.backends.cuda.preferred_blas_library()
+    x = randn(m, 4096, dtype=torch.bfloat16)
+    w = randn(6144, 4096, dtype=torch.bfloat16, seed=1, scale=4096**-0.5)
+    y = linear_cublaslt(x, w)
+    assert torch.backends.cuda.preferred_blas_library() == before
+    torch.testing.assert_close(y, gemv_reference(x, w), **ULP[torch.bfloat16])
+    layer = Linear(4096, 6144, bias=False).to(device=DEVICE, dtype=torch.bfloat16)
+    layer.weight.data.copy_(w)
+    assert torch.equal(layer(x), y)
+    assert torch.backends.cuda.preferred_blas_library() == before
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)])
 def test_gpu_gemv_llama3_8b_shapes(n, k):
