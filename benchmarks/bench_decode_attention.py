@@ -19,7 +19,11 @@ Each variant is timed as a CUDA graph of the --layers calls (bench_gemv.time_gra
 microseconds per call and the KV bytes over that time as a fraction of the device-to-device copy bandwidth
 (bytes read + written) measured first in this process.
 
-  python benchmarks/bench_decode_attention.py [--shapes 64x1152 32x640 8x1152]
+--sweep times only our kernel, token-major layout and sequential slots, over every launch shape
+(BLOCK_N, warps, pipeline stages) and split count, and prints the best of each shape beside the engine's
+choice (`pick_num_kv_splits`, `default_kernel_config`); the best few are timed again on shuffled slots.
+
+  python benchmarks/bench_decode_attention.py [--shapes 64x1152 32x640 8x1152] [--sweep]
 """
 
 from __future__ import annotations
@@ -44,7 +48,10 @@ def main() -> None:
     p.add_argument("--num-kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/decode-attention_<gpu>.json)")
+    p.add_argument("--sweep", action="store_true", help="our kernel only, every launch shape and split count")
     args = p.parse_args()
+    if args.sweep:
+        return sweep(args)
 
     import torch
 
@@ -143,6 +150,122 @@ def main() -> None:
             indent=1,
         )
     print(f"wrote {out}")
+
+
+SWEEP_BLOCK_N = (16, 32, 64, 128)
+SWEEP_WARPS = (2, 4, 8)
+SWEEP_STAGES = (1, 2, 3, 4)
+SWEEP_SPLITS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def sweep(args: argparse.Namespace) -> None:
+    """Every (config, splits) of our kernel per shape; see the module docstring."""
+    import itertools
+
+    import torch
+    from bench_decode import copy_bandwidth
+    from bench_gemv import time_graph
+    from bench_offline import hardware, result_path
+
+    from kernels.triton.decode_attention import (
+        DecodeKernelConfig,
+        alloc_decode_scratch,
+        decode_attention,
+        default_kernel_config,
+        pick_num_kv_splits,
+    )
+
+    dev = torch.device("cuda")
+    bandwidth = copy_bandwidth(dev)
+    n_layers, hq, hkv, d = args.layers, args.num_heads, args.num_kv_heads, args.head_dim
+    default = default_kernel_config(torch.bfloat16)
+    rows: List[Dict] = []
+    summary: List[Dict] = []
+    for shape in args.shapes:
+        bs, ctx = (int(v) for v in shape.split("x"))
+        slots_total = bs * ctx + 1
+        pool = torch.randn((slots_total, n_layers, 2, hkv, d), dtype=torch.bfloat16, device=dev)
+        bufs = [(pool[:, i, 0], pool[:, i, 1]) for i in range(n_layers)]
+        kv_bytes = bs * ctx * hkv * d * 2 * 2
+        q = torch.randn(bs, hq, d, dtype=torch.bfloat16, device=dev)
+        rows_idx = torch.arange(bs, dtype=torch.int32, device=dev)
+        seq_lens = torch.full((bs,), ctx, dtype=torch.int32, device=dev)
+        out = torch.empty_like(q)
+        orders = {"sequential": torch.arange(1, slots_total, device=dev, dtype=torch.int32)}
+        orders["shuffled"] = orders["sequential"][torch.randperm(slots_total - 1, device=dev)]
+
+        def timed(cfg, splits, order):
+            req_to_token = orders[order].view(bs, ctx).contiguous()
+            mid_o, mid_lse = alloc_decode_scratch(bs, hq, d, splits, dev)
+
+            def fn(i):
+                k, v = bufs[i]
+                args_ = (req_to_token, rows_idx, seq_lens, d**-0.5, splits, mid_o, mid_lse)
+                return decode_attention(q, k, v, out, *args_, config=cfg)
+
+            try:
+                sec = time_graph(fn, n_layers, repeats=3)
+            except Exception as exc:  # noqa: BLE001 - a launch shape the device cannot run (shared memory)
+                print(f"  skip {cfg} splits {splits}: {type(exc).__name__}")
+                return None
+            row = dict(bs=bs, ctx=ctx, order=order, splits=splits, us=sec * 1e6, of_copy_bw=kv_bytes / sec / bandwidth)
+            row.update(cfg._asdict())
+            rows.append(row)
+            return row
+
+        engine_splits = pick_num_kv_splits(bs, hkv, 1 << 30, dev)  # a captured graph's split count
+        base = timed(default, engine_splits, "sequential")
+        found = []
+        for bn, w, st in itertools.product(SWEEP_BLOCK_N, SWEEP_WARPS, SWEEP_STAGES):
+            cfg = DecodeKernelConfig(bn, w, st)
+            for splits in sorted(set(SWEEP_SPLITS) | {engine_splits}):
+                if splits > max(1, -(-ctx // bn)):
+                    continue
+                row = timed(cfg, splits, "sequential")
+                if row is not None:
+                    found.append(row)
+        found.sort(key=lambda r: r["us"])
+        base_shuffled = timed(default, engine_splits, "shuffled")
+        best_shuffled = []
+        for r in found[:5]:
+            cfg = DecodeKernelConfig(r["block_n"], r["num_warps"], r["num_stages"])
+            best_shuffled.append(timed(cfg, r["splits"], "shuffled"))
+        top = found[0]
+        summary.append(
+            dict(bs=bs, ctx=ctx, engine=base, best=top, engine_shuffled=base_shuffled, top5_shuffled=best_shuffled)
+        )
+        print(
+            f"bs {bs} ctx {ctx}: engine ({default.block_n},{default.num_warps},{default.num_stages}) splits "
+            f"{engine_splits} {base['us']:.1f} us ({base['of_copy_bw']:.0%}); best ({top['block_n']},"
+            f"{top['num_warps']},{top['num_stages']}) splits {top['splits']} {top['us']:.1f} us "
+            f"({top['of_copy_bw']:.0%})",
+            flush=True,
+        )
+        for r in found[:10]:
+            print(f"    ({r['block_n']},{r['num_warps']},{r['num_stages']}) splits {r['splits']}: {r['us']:.1f} us")
+        print(
+            f"    shuffled: engine {base_shuffled['us']:.1f} us; top 5 "
+            + ", ".join(f"{r['us']:.1f}" for r in best_shuffled if r)
+        )
+        bufs.clear()
+        del pool
+        torch.cuda.empty_cache()
+    hw = hardware()
+    path = result_path(args.out, "decode-attention-sweep", hw)
+    with open(path, "w") as f:
+        json.dump(
+            dict(
+                benchmark="bench_decode_attention --sweep",
+                args=vars(args),
+                hardware=hw,
+                copy_gb_per_s=bandwidth / 1e9,
+                summary=summary,
+                results=rows,
+            ),
+            f,
+            indent=1,
+        )
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ KV dtype with float32 accumulation.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -32,6 +32,20 @@ from kernels.triton import pdl
 
 _LOG2E = 1.4426950408889634
 MAX_KV_SPLITS = 64
+
+
+class DecodeKernelConfig(NamedTuple):
+    """Launch shape of stage 1: BLOCK_N KV positions per loop iteration (chunks are rounded up to it, so it
+    is part of the summation order), and its warps and software-pipeline stages."""
+
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def default_kernel_config(dtype: torch.dtype) -> DecodeKernelConfig:
+    """The engine's launch shape (`bench_decode_attention.py --sweep` times the others)."""
+    return DecodeKernelConfig(32 if dtype == torch.float32 else 64)
 
 
 @triton.jit
@@ -229,11 +243,13 @@ def decode_attention(
     num_splits: int,
     mid_o: Optional[torch.Tensor] = None,
     mid_lse: Optional[torch.Tensor] = None,
+    config: Optional[DecodeKernelConfig] = None,
 ) -> torch.Tensor:
     """q (bs, H, D), k_buf/v_buf (num_slots, Hkv, D) -> out (bs, H, D), written in place and returned.
 
     req_to_token (rows, max_ctx) int32; req_pool_indices, seq_lens (bs,) int; seq_lens[i] >= 1.
     mid_o / mid_lse: scratch from alloc_decode_scratch (allocated here when omitted).
+    config: stage 1's launch shape (default_kernel_config(k_buf.dtype) when omitted).
     """
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
@@ -243,7 +259,8 @@ def decode_attention(
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and k_buf.stride(-1) == 1 and v_buf.stride(-1) == 1
     if mid_o is None or mid_lse is None:
         mid_o, mid_lse = alloc_decode_scratch(bs, num_heads, head_dim, num_splits, q.device)
-    block_n = 32 if k_buf.dtype == torch.float32 else 64
+    config = config or default_kernel_config(k_buf.dtype)
+    block_n = config.block_n
     block_d = triton.next_power_of_2(head_dim)
     _decode_stage1[(bs, num_kv_heads, num_splits)](
         q,
@@ -274,8 +291,8 @@ def decode_attention(
         BLOCK_D=block_d,
         BLOCK_N=block_n,
         **dot_flags(q.dtype, q.device),
-        num_warps=4,
-        num_stages=2,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
         **pdl.launch_args(q.device),
     )
     _decode_stage2[(bs, num_heads)](
