@@ -7,7 +7,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${RADIXSERVE_VENV:-.venv}
 EXTRA=${1:-}
-[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+# A machine whose python3 already imports torch (a GPU image) keeps that torch: the venv sees its packages.
+if [ ! -x "$VENV/bin/python" ]; then
+  if python3 -c "import torch" 2>/dev/null; then
+    python3 -m venv --system-site-packages "$VENV"
+  else
+    python3 -m venv "$VENV"
+  fi
+fi
 PY="$VENV/bin/python"
 stamp="$VENV/.radixserve-installed${EXTRA:+-$EXTRA}"
 fresh() { [ -f "$1" ] && ! [ pyproject.toml -nt "$1" ]; }

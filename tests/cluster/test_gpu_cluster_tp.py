@@ -35,8 +35,10 @@ CASES = PROMPTS[:6] + [PROMPTS[0] + " Paris, and the capital of Italy is"]
 """The last extends the first: a radix-cache hit where the first was computed."""
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="module")
 def _four_gpus():
+    """Module-scoped, so that it runs before the module-scoped cluster fixtures: a machine with fewer GPUs
+    skips without starting a cluster."""
     import torch
 
     if torch.cuda.device_count() < 4:
