@@ -136,20 +136,17 @@ def main() -> None:
         r = rows[i]
         cells = "".join(f"{x['us']:>8.1f} us {x['of_copy_bw']:>4.0%}" for x in rows[i : i + len(KERNELS)])
         print(f"{r['bs']:>4}{r['ctx']:>6}{r['order']:>12}{r['layout']:>13}{cells}")
-    out = result_path(args.out, "decode-attention", hw)
-    with open(out, "w") as f:
-        json.dump(
-            dict(
-                benchmark="bench_decode_attention",
-                args=vars(args),
-                hardware=hw,
-                copy_gb_per_s=bandwidth / 1e9,
-                results=rows,
-            ),
-            f,
-            indent=1,
-        )
-    print(f"wrote {out}")
+    write_result(result_path(args.out, "decode-attention", hw), "bench_decode_attention", args, hw, bandwidth, rows)
+
+
+def write_result(
+    path: str, benchmark: str, args: argparse.Namespace, hw: Dict, bandwidth: float, rows: List[Dict], **extra
+) -> None:
+    """The JSON record of a run: what ran, on what, and its rows."""
+    record = dict(benchmark=benchmark, args=vars(args), hardware=hw, copy_gb_per_s=bandwidth / 1e9, **extra)
+    with open(path, "w") as f:
+        json.dump(dict(record, results=rows), f, indent=1)
+    print(f"wrote {path}")
 
 
 SWEEP_BLOCK_N = (16, 32, 64, 128)
@@ -252,20 +249,7 @@ def sweep(args: argparse.Namespace) -> None:
         torch.cuda.empty_cache()
     hw = hardware()
     path = result_path(args.out, "decode-attention-sweep", hw)
-    with open(path, "w") as f:
-        json.dump(
-            dict(
-                benchmark="bench_decode_attention --sweep",
-                args=vars(args),
-                hardware=hw,
-                copy_gb_per_s=bandwidth / 1e9,
-                summary=summary,
-                results=rows,
-            ),
-            f,
-            indent=1,
-        )
-    print(f"wrote {path}")
+    write_result(path, "bench_decode_attention --sweep", args, hw, bandwidth, rows, summary=summary)
 
 
 if __name__ == "__main__":
