@@ -44,6 +44,7 @@ def run_script(name, *args):
         "bench_allreduce.py",
         "bench_grammar.py",
         "bench_encoder.py",
+        "bench_gemm_power.py",
     ],
 )
 def test_help(name):
@@ -481,3 +482,22 @@ def test_bench_online_keeps_the_stats_lines_each_workload_logged(tmp_path):
         f.write("INFO: POST /v1/completions\n" + line.replace("925", "4915") + "\n")
     assert server.new_stats_lines() == ["last 10.0 s: prompt 4915 tok/s"]  # only what came since
     assert server.new_stats_lines() == []
+
+
+def test_bench_gemm_power_reads_one_layers_shapes_and_the_nvidia_smi_log(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_gemm_power
+
+    with open(os.path.join(ROOT, "benchmarks", "configs", "llama-3.1-8b.json")) as f:
+        shapes = bench_gemm_power.layer_shapes(json.load(f))
+    # Llama-3.1-8B: 32 query heads and 8 KV heads of 128, hidden 4096, intermediate 14336
+    assert shapes == {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+    log = tmp_path / "smi.csv"
+    log.write_text(
+        "2026/11/30 07:21:00.123, 1515 MHz, 690.18 W, 700.00 W\n"
+        "[N/A], [N/A], [N/A], [N/A]\n"
+        "2026/11/30 07:21:00.223, 1980 MHz, 130.44 W, 700.00 W\n"
+    )
+    rows = bench_gemm_power.sample_file(str(log))
+    assert [(c, w) for _, c, w in rows] == [(1515.0, 690.18), (1980.0, 130.44)]
+    assert abs(rows[1][0] - rows[0][0] - 0.1) < 1e-6
