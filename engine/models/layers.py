@@ -78,7 +78,7 @@ def cublaslt_applies(module: nn.Module, x: torch.Tensor) -> bool:
     EngineConfig.cublaslt_max_rows), 16-bit activations.
 
     Both of torch's BLAS paths call NVIDIA's kernels, but their heuristics pick different ones: on the
-    decode steps of 32 and 64 requests cuBLASLt's are faster, on larger products cuBLAS's are not
+    decode steps of 32 and 64 requests cuBLASLt's are faster, on products of 128 rows they are not
     (benchmarks/README.md, "cuBLASLt for medium batches"). The choice depends on the row count alone, so a
     step rounds the same way with CUDA graphs on and off.
     """
