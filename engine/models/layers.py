@@ -82,10 +82,10 @@ def cublaslt_applies(module: nn.Module, x: torch.Tensor) -> bool:
     (benchmarks/README.md, "cuBLASLt for medium batches"). The choice depends on the row count alone, so a
     step rounds the same way with CUDA graphs on and off.
     """
-    rows = x.shape[0] if x.dim() == 2 else 0
     return (
         x.is_cuda
-        and getattr(module, "gemv_rows", GEMV_MAX_ROWS) < rows <= getattr(module, "cublaslt_rows", 0)
+        and x.dim() == 2
+        and getattr(module, "gemv_rows", GEMV_MAX_ROWS) < x.shape[0] <= getattr(module, "cublaslt_rows", 0)
         and x.dtype in (torch.bfloat16, torch.float16)
     )
 
