@@ -101,7 +101,8 @@ def main() -> None:
     log = tempfile.NamedTemporaryFile(prefix="gemm-power-", suffix=".csv", delete=False).name
     query = ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,power.limit", "--format=csv,noheader"]
     limit = subprocess.run(query, capture_output=True, text=True).stdout.strip().split(",")[-1].strip()
-    sampler = subprocess.Popen([*query[:2], "--format=csv,noheader", "-lms", "100"], stdout=open(log, "w"))
+    with open(log, "w") as sink:  # the sampler keeps its own copy of the descriptor
+        sampler = subprocess.Popen([*query, "-lms", "100"], stdout=sink)
     rows: List[Dict] = []
     try:
         for case in CASES * 2:
