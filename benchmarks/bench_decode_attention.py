@@ -32,7 +32,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -140,10 +140,18 @@ def main() -> None:
 
 
 def write_result(
-    path: str, benchmark: str, args: argparse.Namespace, hw: Dict, bandwidth: float, rows: List[Dict], **extra
+    path: str,
+    benchmark: str,
+    args: argparse.Namespace,
+    hw: Dict,
+    bandwidth: Optional[float],
+    rows: List[Dict],
+    **extra,
 ) -> None:
-    """The JSON record of a run: what ran, on what, and its rows."""
-    record = dict(benchmark=benchmark, args=vars(args), hardware=hw, copy_gb_per_s=bandwidth / 1e9, **extra)
+    """The JSON record of a run: what ran, on what (`bandwidth`: the copy bandwidth measured, if any), its rows."""
+    record = dict(benchmark=benchmark, args=vars(args), hardware=hw, **extra)
+    if bandwidth is not None:
+        record["copy_gb_per_s"] = bandwidth / 1e9
     with open(path, "w") as f:
         json.dump(dict(record, results=rows), f, indent=1)
     print(f"wrote {path}")

@@ -12,6 +12,8 @@ LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
 SchedulePolicy = Literal["lpm", "fcfs"]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "flashinfer", "triton", "torch_native")
+FLASHINFER_PREFILL = ("paged-fa2", "paged-fa3", "ragged-fa2", "ragged-fa3")
+"""kernels.attention.flashinfer.PREFILL_KINDS (config does not import the kernels; a test keeps them equal)."""
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,17 @@ class EngineConfig:
                 " kernels instead: they read the KV pool faster than FlashInfer's decode kernel, need no"
                 " host-side plan per step, and take part in the GEMV kernels' PDL chain. Prefill, mixed and"
                 " larger steps stay on FlashInfer. 0: FlashInfer for every step."
+            )
+        },
+    )
+    flashinfer_prefill: str = field(
+        default="paged-fa2",
+        metadata={
+            "help": (
+                "The prompt rows' attention kernel with the FlashInfer backend: paged-fa2 | paged-fa3 |"
+                " ragged-fa2 | ragged-fa3. paged: FlashInfer's paged prefill kernel over [cached prefix | new"
+                " tokens] in the KV pool; ragged: its ragged kernel over the step's own K/V, plus the paged"
+                " kernel over cached prefixes, merged. fa2 / fa3: FlashInfer's kernel family (fa3: Hopper)."
             )
         },
     )
@@ -281,6 +294,10 @@ class EngineConfig:
         )
         check(0 <= self.gemv_max_rows <= 16, f"gemv_max_rows must be in [0, 16], got {self.gemv_max_rows}")
         check(self.cublaslt_max_rows >= 0, f"cublaslt_max_rows must be >= 0, got {self.cublaslt_max_rows}")
+        check(
+            self.flashinfer_prefill in FLASHINFER_PREFILL,
+            f"flashinfer_prefill must be one of {FLASHINFER_PREFILL}, got {self.flashinfer_prefill!r}",
+        )
         check(self.triton_decode_max_bs >= 0, f"triton_decode_max_bs must be >= 0, got {self.triton_decode_max_bs}")
         check(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         check(

@@ -39,6 +39,7 @@ class GreedyHarness:
         max_reqs: int = 16,
         backend: str = "torch_native",
         kv_dtype: Optional[torch.dtype] = None,
+        backend_kwargs: Optional[dict] = None,
     ):
         param = next(model.parameters())
         self.model, self.device, self.max_len = model, param.device, max_len
@@ -54,7 +55,13 @@ class GreedyHarness:
             max_reqs, max_len
         )
         self.backend = get_backend_class(backend)(
-            self.req_to_token, self.kv_pool, model.num_heads, model.num_kv_heads, model.head_dim, model.head_dim**-0.5
+            self.req_to_token,
+            self.kv_pool,
+            model.num_heads,
+            model.num_kv_heads,
+            model.head_dim,
+            model.head_dim**-0.5,
+            **(backend_kwargs or {}),
         )
 
     def _forward(

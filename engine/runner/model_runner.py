@@ -249,7 +249,11 @@ class ModelRunner:
         m = self.model
         args = (self.req_to_token_pool.req_to_token, self.kv_pool, m.num_heads, m.num_kv_heads, m.head_dim)
         # FlashInfer's mixed steps attend their decode rows with the Triton decode kernels unless those are off.
-        extra = {"triton_decode_rows": self.config.triton_decode_max_bs > 0} if name == "flashinfer" else {}
+        extra = {}
+        if name == "flashinfer":
+            extra = dict(
+                triton_decode_rows=self.config.triton_decode_max_bs > 0, prefill=self.config.flashinfer_prefill
+            )
         self.attn_backend = get_backend_class(name)(*args, m.head_dim**-0.5, **extra)
         self.triton_decode_backend = None
         """The Triton backend for decode steps of up to `triton_decode_max_bs` requests when the main backend is

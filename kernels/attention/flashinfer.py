@@ -13,6 +13,13 @@ K/V tensors it is given (its paged_kv_t takes a page stride and computes offsets
                                     new tokens], the query rows aligned to the end of each request's KV
                             DECODE  BatchDecodeWithPagedKVCacheWrapper.run
 
+The prompt rows of an EXTEND step take one of four kernels (`prefill`, EngineConfig.flashinfer_prefill):
+"paged-fa2" / "paged-fa3" run the paged prefill kernel above (FlashInfer's FA2 or Hopper FA3 family);
+"ragged-fa2" / "ragged-fa3" attend the step's own K/V as contiguous tensors with
+BatchPrefillWithRaggedKVCacheWrapper (causal), and requests with a cached prefix add the paged kernel over
+the prefix alone (not causal), the two merged by their log-sum-exp (FlashInfer's merge_state_in_place); a
+request without a prefix has an empty KV there, whose log-sum-exp is -inf.
+
 A mixed step (EXTEND) leads with the running requests' decode tokens: one new token each. FlashInfer's
 prefill kernel gives each request a whole tile of query rows, so those one-token requests would cost it a
 tile each while reading their whole KV; instead the batch's leading run of one-token requests goes to
@@ -40,6 +47,9 @@ from kernels.attention.triton import DecodeMeta, plan_decode, run_decode
 WORKSPACE_BYTES = 256 << 20
 """FlashInfer's float workspace (split-KV partial results), shared by every wrapper of one backend."""
 
+PREFILL_KINDS = ("paged-fa2", "paged-fa3", "ragged-fa2", "ragged-fa3")
+"""The prompt rows' kernels (module docstring): layout, then FlashInfer's kernel family."""
+
 
 @dataclass
 class _GraphState:
@@ -55,12 +65,15 @@ class _GraphState:
 
 class FlashInferAttnBackend(AttentionBackend):
     """See AttentionBackend for the shapes of `forward`. `triton_decode_rows`: a mixed step's leading one-token
-    requests run the Triton decode kernels (False: FlashInfer's prefill kernel runs every request)."""
+    requests run the Triton decode kernels (False: FlashInfer's prefill kernel runs every request). `prefill`:
+    one of PREFILL_KINDS (module docstring)."""
 
     supports_cuda_graph = True
 
-    def __init__(self, *args, triton_decode_rows: bool = True, **kwargs):
+    def __init__(self, *args, triton_decode_rows: bool = True, prefill: str = "paged-fa2", **kwargs):
         super().__init__(*args, **kwargs)
+        if prefill not in PREFILL_KINDS:
+            raise ValueError(f"prefill must be one of {PREFILL_KINDS}, got {prefill!r}")
         self.triton_decode_rows = triton_decode_rows
         import flashinfer  # noqa: PLC0415
 
@@ -79,7 +92,16 @@ class FlashInferAttnBackend(AttentionBackend):
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         # Tensor-core decode pays off for wide GQA groups (as in SGLang: group >= 4).
         self.decode_tensor_cores = self.num_heads // self.num_kv_heads >= 4
-        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
+        layout, family = prefill.split("-")
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=family)
+        self.ragged_wrapper = (
+            flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD", backend=family)
+            if layout == "ragged"
+            else None
+        )
+        """"ragged-*": the prompt rows' kernel over the step's own K/V; prefill_wrapper then covers prefixes only."""
+        self._prefix_planned = False
+        """Ragged: some prompt request of this step has a cached prefix, and prefill_wrapper is planned over those."""
         self.decode_wrapper = self._new_decode_wrapper()
         self._mode: Optional[str] = None
         self._meta_batch: Optional[ForwardBatchLike] = None
@@ -102,14 +124,18 @@ class FlashInferAttnBackend(AttentionBackend):
         return self._fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", **kwargs)
 
     # ---- metadata ----------------------------------------------------------------------------
-    def _kv_indices(self, batch: ForwardBatchLike, kv_indptr_host: torch.Tensor, first: int = 0) -> torch.Tensor:
-        """KV slots of requests [first, bs) of `batch`, laid out by `kv_indptr_host` (their lengths' cumsum)."""
+    def _kv_indices(
+        self, batch: ForwardBatchLike, kv_indptr_host: torch.Tensor, first: int = 0, prefix_only: bool = False
+    ) -> torch.Tensor:
+        """KV slots of requests [first, bs) of `batch` (`prefix_only`: of their cached prefixes alone), laid out
+        by `kv_indptr_host` (those lengths' cumsum)."""
         from kernels.triton.fused_layers import build_kv_indices  # noqa: PLC0415
 
         total = int(kv_indptr_host[-1])
         out = torch.empty(max(total, 1), dtype=torch.int32, device=self.device)
         indptr = kv_indptr_host.to(self.device, non_blocking=True)
-        rows, lens = batch.req_pool_indices[first:], batch.seq_lens[first:]
+        rows = batch.req_pool_indices[first:]
+        lens = (batch.extend_prefix_lens if prefix_only else batch.seq_lens)[first:]
         return build_kv_indices(self.req_to_token, rows, lens, indptr, out)[:total]
 
     def _plan_kwargs(self) -> dict:
@@ -144,18 +170,29 @@ class FlashInferAttnBackend(AttentionBackend):
         self._meta_batch = batch
 
     def _plan_prefill(self, batch: ForwardBatchLike, first: int) -> None:
-        """Plan the prefill wrapper on requests [first, bs) of `batch`."""
-        kv_indptr = _indptr(batch.seq_lens_cpu[first:])
+        """Plan the prompt rows' kernels on requests [first, bs) of `batch`."""
+        qo_indptr = _indptr(batch.extend_seq_lens_cpu[first:])
+        heads = (self.num_heads, self.num_kv_heads, self.head_dim)
+        causal = True
+        if self.ragged_wrapper is not None:
+            self.ragged_wrapper.plan(qo_indptr, qo_indptr, *heads, causal=True, **self._plan_kwargs())
+            prefix_lens = batch.extend_prefix_lens_cpu[first:]
+            self._prefix_planned = any(prefix_lens)
+            if not self._prefix_planned:
+                return
+            kv_indptr, causal = _indptr(prefix_lens), False
+            kv_indices = self._kv_indices(batch, kv_indptr, first, prefix_only=True)
+        else:
+            kv_indptr = _indptr(batch.seq_lens_cpu[first:])
+            kv_indices = self._kv_indices(batch, kv_indptr, first)
         self.prefill_wrapper.plan(
-            _indptr(batch.extend_seq_lens_cpu[first:]),
+            qo_indptr,
             kv_indptr,
-            self._kv_indices(batch, kv_indptr, first),
+            kv_indices,
             torch.ones(batch.batch_size - first, dtype=torch.int32),
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
+            *heads,
             1,
-            causal=True,
+            causal=causal,
             **self._plan_kwargs(),
         )
 
@@ -247,14 +284,28 @@ class FlashInferAttnBackend(AttentionBackend):
         if self._mode == "decode":
             return self._active_decode.run(q, cache)
         n = self._decode_rows
-        if not n:
-            return self.prefill_wrapper.run(q, cache)
         out = torch.empty_like(q)
         if n < batch.batch_size:
-            self.prefill_wrapper.run(q[n:], cache, out=out[n:])
-        rows = (batch.req_pool_indices[:n], batch.seq_lens[:n])
-        run_decode(self._decode_meta, q[:n], k_buf, v_buf, out[:n], self.req_to_token, *rows, self.scale)
+            self._run_prompt_rows(q[n:], k[n:], v[n:], cache, out[n:])
+        if n:
+            rows = (batch.req_pool_indices[:n], batch.seq_lens[:n])
+            run_decode(self._decode_meta, q[:n], k_buf, v_buf, out[:n], self.req_to_token, *rows, self.scale)
         return out
+
+    def _run_prompt_rows(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: tuple, out: torch.Tensor
+    ) -> None:
+        """The prompt rows' attention into `out` (T', H, D): q (T', H, D), k/v (T', Hkv, D), this step's own."""
+        if self.ragged_wrapper is None:
+            self.prefill_wrapper.run(q, cache, out=out)
+            return
+        k, v = (x if x.is_contiguous() else x.contiguous() for x in (k, v))
+        if not self._prefix_planned:
+            self.ragged_wrapper.run(q, k, v, out=out)
+            return
+        _, lse = self.ragged_wrapper.run(q, k, v, out=out, return_lse=True)
+        prefix_out, prefix_lse = self.prefill_wrapper.run(q, cache, return_lse=True)
+        self._fi.merge_state_in_place(out, lse, prefix_out, prefix_lse)
 
 
 def _indptr(lengths: List[int]) -> torch.Tensor:

@@ -45,6 +45,7 @@ def run_script(name, *args):
         "bench_grammar.py",
         "bench_encoder.py",
         "bench_gemm_power.py",
+        "bench_prefill_attention.py",
     ],
 )
 def test_help(name):
@@ -501,3 +502,16 @@ def test_bench_gemm_power_reads_one_layers_shapes_and_the_nvidia_smi_log(tmp_pat
     rows = bench_gemm_power.sample_file(str(log))
     assert [(c, w) for _, c, w in rows] == [(1515.0, 690.18), (1980.0, 130.44)]
     assert abs(rows[1][0] - rows[0][0] - 0.1) < 1e-6
+
+
+def test_bench_prefill_attention_reads_steps_and_counts_causal_pairs():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_prefill_attention as bpa
+
+    step = bpa.parse_step("3,2@4")
+    assert step == [(3, 0), (2, 4)]
+    # 3 new tokens alone see 1 + 2 + 3 keys; 2 new tokens after 4 cached see 5 + 6
+    assert bpa.causal_pairs(step) == 6 + 11
+    for bad in ("0", "2@-1", "x"):
+        with pytest.raises(ValueError):
+            bpa.parse_step(bad)

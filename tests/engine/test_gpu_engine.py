@@ -72,10 +72,11 @@ def test_gpu_cuda_graphs_do_not_change_greedy_outputs(bf16_runs, backend):
 
 
 def test_gpu_backends_diverge_only_at_near_ties_in_bf16(bf16_runs):
-    """FlashInfer, Triton and torch-native attention in bf16, each decoding greedily on its own: while their
-    tokens agree, their logits agree within bf16 noise, and where they first pick different tokens the two
-    candidates are nearly tied (under either backend's logits). That is the whole difference a bf16
-    greedy run may show between backends (the engine runs, bf16_runs, are reported for the record)."""
+    """FlashInfer (each prompt-row kernel of EngineConfig.flashinfer_prefill), Triton and torch-native attention
+    in bf16, each decoding greedily on its own: while their tokens agree, their logits agree within bf16 noise,
+    and where they first pick different tokens the two candidates are nearly tied (under either backend's
+    logits). That is the whole difference a bf16 greedy run may show between backends (the engine runs,
+    bf16_runs, are reported for the record)."""
     from model_harness import GreedyHarness
 
     from engine.models.loader import load_config, load_model
@@ -90,12 +91,17 @@ def test_gpu_backends_diverge_only_at_near_ties_in_bf16(bf16_runs):
     source = resolve_model(None)
     model = load_model(source, load_config(source), "gguf", torch.bfloat16, torch.device("cuda"))
     prompts = [load_tokenizer(source).encode(p) for p in PROMPTS]
+    variants = {"flashinfer": ("flashinfer", {}), "triton": ("triton", {}), "torch_native": ("torch_native", {})}
+    for kind in ("paged-fa3", "ragged-fa2", "ragged-fa3"):
+        variants[f"flashinfer {kind}"] = ("flashinfer", {"prefill": kind})
     runs = {
-        name: GreedyHarness(model, max_len=128, max_reqs=len(prompts), backend=name).generate(prompts, MAX_NEW)
-        for name in ("flashinfer", "triton", "torch_native")
+        name: GreedyHarness(model, max_len=128, max_reqs=len(prompts), backend=backend, backend_kwargs=kwargs).generate(
+            prompts, MAX_NEW
+        )
+        for name, (backend, kwargs) in variants.items()
     }
     ref = runs["torch_native"]
-    for name in ("flashinfer", "triton"):
+    for name in [n for n in variants if n != "torch_native"]:
         res = runs[name]
         for i in range(len(prompts)):
             torch.testing.assert_close(res.prefill_logits[i][-1], ref.prefill_logits[i][-1], atol=LOGIT_TOL, rtol=0)

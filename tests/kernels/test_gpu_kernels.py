@@ -153,6 +153,43 @@ def test_gpu_flashinfer_matches_torch_native(dtype, heads, kv_heads, head_dim, m
     torch.testing.assert_close(out.float(), ref.float(), atol=2 * ATOL[dtype], rtol=0)
 
 
+def test_flashinfer_prefill_kinds_are_the_configs():
+    """EngineConfig.flashinfer_prefill's choices are the backend's (config does not import the kernels)."""
+    from engine.config import FLASHINFER_PREFILL, EngineConfig
+    from engine.errors import InvalidConfigError
+    from kernels.attention.flashinfer import PREFILL_KINDS
+
+    assert FLASHINFER_PREFILL == PREFILL_KINDS
+    assert EngineConfig().flashinfer_prefill in PREFILL_KINDS
+    with pytest.raises(InvalidConfigError, match="flashinfer_prefill"):
+        EngineConfig(flashinfer_prefill="ragged-fa9")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefill", ["paged-fa3", "ragged-fa2", "ragged-fa3"])
+@pytest.mark.parametrize("triton_decode_rows", [True, False], ids=["decode-rows-triton", "decode-rows-prefill"])
+@pytest.mark.parametrize(
+    "mode,seq_lens,prefix_lens",
+    [
+        (ForwardMode.EXTEND, [1000, 70, 2500, 9], [0, 0, 0, 0]),  # whole prompts: the ragged kernel alone
+        (ForwardMode.EXTEND, [1000, 70, 2500, 9], [0, 64, 2000, 8]),  # cached prefixes beside none (ragged + merge)
+        (ForwardMode.EXTEND, [2049, 1, 777, 1000, 70, 5], [2048, 0, 776, 0, 64, 4]),  # a mixed step
+    ],
+    ids=["no-prefix", "prefixes", "mixed"],
+)
+def test_gpu_flashinfer_prefill_kinds_match_torch_native(prefill, triton_decode_rows, mode, seq_lens, prefix_lens):
+    """Every prompt-row kernel (EngineConfig.flashinfer_prefill) against the float32-accumulating reference, with
+    a mixed step's decode rows on the Triton decode kernels or on the prompt rows' kernel."""
+    _flashinfer_or_skip()
+    from test_triton_kernels import ATOL, run_backend
+
+    args = (mode, seq_lens, prefix_lens, 32, 8, 128, torch.bfloat16)
+    out, k_buf, v_buf = run_backend("flashinfer", *args, prefill=prefill, triton_decode_rows=triton_decode_rows)
+    ref, k_ref, v_ref = run_backend("torch_native", *args)
+    assert torch.equal(k_buf, k_ref) and torch.equal(v_buf, v_ref)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2 * ATOL[torch.bfloat16], rtol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["flashinfer", "triton"])
 @pytest.mark.parametrize(

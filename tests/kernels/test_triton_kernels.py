@@ -198,9 +198,21 @@ def test_extend_half_precision(dtype):
 
 
 def run_backend(
-    name, mode, seq_lens, prefix_lens, num_heads, num_kv_heads, head_dim, dtype, seed=0, num_layers=1, slot_offset=0
+    name,
+    mode,
+    seq_lens,
+    prefix_lens,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    dtype,
+    seed=0,
+    num_layers=1,
+    slot_offset=0,
+    **backend_kwargs,
 ):
-    """One forward of backend `name` on a fresh scattered pool; -> (out, k_buf, v_buf).
+    """One forward of backend `name` (built with `backend_kwargs`) on a fresh scattered pool; -> (out, k_buf,
+    v_buf).
 
     The pool is the engine's token-major KVPool with `num_layers` layers; the forward runs on the last layer,
     and every slot is moved up by `slot_offset` (to reach element offsets beyond 2**31 in a large pool)."""
@@ -218,7 +230,9 @@ def run_backend(
     locs = torch.cat([p.req_to_token[r, x:s] for r, x, s in zip(rows, prefix_lens, seq_lens)])
     positions = [j for x, s in zip(prefix_lens, seq_lens) for j in range(x, s)]
     batch = ForwardBatch.build(mode, [0] * T, positions, locs, rows, list(seq_lens), list(prefix_lens), DEVICE)
-    backend = get_backend_class(name)(p.req_to_token, pool, num_heads, num_kv_heads, head_dim, head_dim**-0.5)
+    backend = get_backend_class(name)(
+        p.req_to_token, pool, num_heads, num_kv_heads, head_dim, head_dim**-0.5, **backend_kwargs
+    )
     backend.init_forward_metadata(batch)
     out = backend.forward(q, k, v, layer, batch)
     return out, k_pool, v_pool
