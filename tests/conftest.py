@@ -45,12 +45,14 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: not _starts_ray(item.nodeid))  # stable: the longest scope starts first
 
 
-OTHER_TESTS_NICENESS = 19
+OTHER_TESTS_NICENESS = 10
 """Under pytest-xdist, a worker lowers its CPU priority by this much (os.nice, inherited by the engine and server
 processes its tests start) before its first test outside RAY_PATHS (the Ray scope runs first on its worker).
 The Ray tests' replicas start, fail over and scale against timeouts, and Ray's own loops cost CPU for as long
 as they run, so the 2 CPUs go to them first and the other tests take what they leave. The Ray scope is the
-run's longest path: alone on the 2 CPUs it keeps them ~85% busy.
+run's longest path and keeps both CPUs busy most of its time. The other tests still get about a quarter of
+the CPUs while both want them (CFS weights of niceness 10 and 5), so their own timeouts (server start-up,
+idle waits) keep a margin.
 
 Ray starts its worker processes (Serve's controller, proxies and replicas) at niceness RAY_WORKER_NICENESS,
 not at the test process's 0: Ray's own default is 15, which would put them below the other tests' worker. The
