@@ -117,11 +117,32 @@ def time_graph(fn: Callable[[int], None], calls: int, repeats: int) -> float:
             fn(i)
     graph.replay()
     torch.cuda.synchronize()
+    return best_seconds_per_call(graph.replay, calls, repeats)
+
+
+def time_eager(fn: Callable[[int], None], calls: int, repeats: int = 5) -> float:
+    """Seconds per call of fn(i), `calls` eager calls in a row; best of `repeats`, after two warm-up rounds."""
+    import torch
+
+    def run() -> None:
+        for i in range(calls):
+            fn(i)
+
+    run()
+    run()
+    torch.cuda.synchronize()
+    return best_seconds_per_call(run, calls, repeats)
+
+
+def best_seconds_per_call(run: Callable[[], None], calls: int, repeats: int) -> float:
+    """The best of `repeats` device timings (CUDA events) of run(), which makes `calls` calls; per call."""
+    import torch
+
     best = float("inf")
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graph.replay()
+        run()
         end.record()
         torch.cuda.synchronize()
         best = min(best, start.elapsed_time(end) / 1e3 / calls)

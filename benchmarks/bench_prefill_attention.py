@@ -28,7 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Callable, Dict, List, Tuple
+from typing import Dict, List, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -53,26 +53,6 @@ def causal_pairs(step: List[Tuple[int, int]]) -> int:
     return sum(n * p + n * (n + 1) // 2 for n, p in step)
 
 
-def time_eager(fn: Callable[[int], None], calls: int, repeats: int = 5) -> float:
-    """Seconds per call of fn(i), `calls` calls between two events, best of `repeats`, after two warm-ups."""
-    import torch
-
-    for _ in range(2):
-        for i in range(calls):
-            fn(i)
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for i in range(calls):
-            fn(i)
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3 / calls)
-    return best
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", nargs="+", default=["1024,960", "512@512,1024,448", "1024,1024,1024,1024"])
@@ -91,6 +71,7 @@ def main() -> None:
         sys.exit("bench_prefill_attention needs a CUDA device")
     import flashinfer
     from bench_decode_attention import write_result
+    from bench_gemv import time_eager
     from bench_offline import hardware, result_path
     from flashinfer.cascade import merge_state
 
