@@ -12,7 +12,7 @@ layer of --layers layers, each layer's KV in its own place (the engine's token-m
   paged fa3    the same with backend "fa3" (Hopper)
   ragged fa2   BatchPrefillWithRaggedKVCacheWrapper over the step's own K/V (contiguous (T, Hkv, D)),
                causal; requests with a prefix add the paged wrapper over the prefix alone (not causal) and
-               FlashInfer's merge_state of the two (SGLang's split)
+               FlashInfer's merge_state_in_place of the two (SGLang's split)
   ragged fa3   the same with backend "fa3"
 
 Each variant's output is checked against the first variant's (paged fa2 by default; max abs difference).
@@ -73,7 +73,8 @@ def main() -> None:
     from bench_decode_attention import write_result
     from bench_gemv import time_eager
     from bench_offline import hardware, result_path
-    from flashinfer.cascade import merge_state
+
+    from kernels.attention.flashinfer import lengths_indptr
 
     dev = torch.device("cuda")
     n_layers, hq, hkv, d = args.layers, args.num_heads, args.num_kv_heads, args.head_dim
@@ -94,9 +95,9 @@ def main() -> None:
         pre_slots = torch.cat([slots[s : s + p_] for s, (n, p_) in zip(kv_starts, step)] + [slots[:0]])
         caches = [(pool[:, i, 0].unsqueeze(1), pool[:, i, 1].unsqueeze(1)) for i in range(n_layers)]
         new_kv = [(pool[new_slots, i, 0].contiguous(), pool[new_slots, i, 1].contiguous()) for i in range(n_layers)]
-        qo_indptr = _indptr([n for n, _ in step])
-        all_indptr = _indptr([n + p_ for n, p_ in step])
-        pre_indptr = _indptr([p_ for _, p_ in step])
+        qo_indptr = lengths_indptr([n for n, _ in step])
+        all_indptr = lengths_indptr([n + p_ for n, p_ in step])
+        pre_indptr = lengths_indptr([p_ for _, p_ in step])
         has_prefix = any(p_ for _, p_ in step)
         ones = torch.ones(len(step), dtype=torch.int32)
         flops = 4 * causal_pairs(step) * hq * d
@@ -115,18 +116,21 @@ def main() -> None:
                     ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend=backend)
                     ragged.plan(qo_indptr, qo_indptr, hq, hkv, d, causal=True, **kw)
                     prefix_wrapper = None
-                    if has_prefix:
-                        ws2 = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
-                        prefix_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws2, "NHD", backend=backend)
+                    if has_prefix:  # one workspace for both wrappers, as the engine's backend
+                        prefix_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                            workspace, "NHD", backend=backend
+                        )
                         prefix_wrapper.plan(qo_indptr, pre_indptr, pre_slots, ones, hq, hkv, d, 1, causal=False, **kw)
 
-                    def fn(i, ragged=ragged, prefix_wrapper=prefix_wrapper):
+                    def fn(i, ragged=ragged, prefix_wrapper=prefix_wrapper):  # the engine's calls (_run_prompt_rows)
                         k, v = new_kv[i]
+                        out = torch.empty_like(q[i])
                         if prefix_wrapper is None:
-                            return ragged.run(q[i], k, v)
-                        o1, s1 = ragged.run(q[i], k, v, return_lse=True)
-                        o2, s2 = prefix_wrapper.run(q[i], caches[i], return_lse=True)
-                        return merge_state(o1, s1, o2, s2)[0]
+                            return ragged.run(q[i], k, v, out=out)
+                        _, lse = ragged.run(q[i], k, v, out=out, return_lse=True)
+                        prefix_out, prefix_lse = prefix_wrapper.run(q[i], caches[i], return_lse=True)
+                        flashinfer.merge_state_in_place(out, lse, prefix_out, prefix_lse)
+                        return out
 
                 out = fn(0)
                 torch.cuda.synchronize()
@@ -152,15 +156,6 @@ def main() -> None:
             cells.append(f"{'failed':>20}" if "error" in r else f"{r['us']:>10.1f} {r['tflops']:>6.0f} TF")
         print(f"{text:>28}" + "".join(cells))
     write_result(result_path(args.out, "prefill-attention", hw), "bench_prefill_attention", args, hw, None, rows)
-
-
-def _indptr(lengths: List[int]):
-    """(n + 1,) int32 host tensor: 0, then the running sum of `lengths`."""
-    import torch
-
-    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    out[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
-    return out
 
 
 if __name__ == "__main__":

@@ -145,7 +145,7 @@ class FlashInferAttnBackend(AttentionBackend):
         bs = batch.batch_size
         self._decode_rows, self._decode_meta = 0, None
         if _is_decode(batch):
-            kv_indptr = _indptr(batch.seq_lens_cpu)
+            kv_indptr = lengths_indptr(batch.seq_lens_cpu)
             kv_indices = self._kv_indices(batch, kv_indptr)
             last_page_len = torch.ones(bs, dtype=torch.int32)
             self.decode_wrapper.plan(
@@ -171,7 +171,7 @@ class FlashInferAttnBackend(AttentionBackend):
 
     def _plan_prefill(self, batch: ForwardBatchLike, first: int) -> None:
         """Plan the prompt rows' kernels on requests [first, bs) of `batch`."""
-        qo_indptr = _indptr(batch.extend_seq_lens_cpu[first:])
+        qo_indptr = lengths_indptr(batch.extend_seq_lens_cpu[first:])
         heads = (self.num_heads, self.num_kv_heads, self.head_dim)
         causal = True
         if self.ragged_wrapper is not None:
@@ -180,10 +180,10 @@ class FlashInferAttnBackend(AttentionBackend):
             self._prefix_planned = any(prefix_lens)
             if not self._prefix_planned:
                 return
-            kv_indptr, causal = _indptr(prefix_lens), False
+            kv_indptr, causal = lengths_indptr(prefix_lens), False
             kv_indices = self._kv_indices(batch, kv_indptr, first, prefix_only=True)
         else:
-            kv_indptr = _indptr(batch.seq_lens_cpu[first:])
+            kv_indptr = lengths_indptr(batch.seq_lens_cpu[first:])
             kv_indices = self._kv_indices(batch, kv_indptr, first)
         self.prefill_wrapper.plan(
             qo_indptr,
@@ -221,7 +221,7 @@ class FlashInferAttnBackend(AttentionBackend):
         from flashinfer.decode import fast_decode_plan  # noqa: PLC0415
 
         state = self._graphs[batch.batch_size]
-        kv_indptr = _indptr(batch.seq_lens_cpu)
+        kv_indptr = lengths_indptr(batch.seq_lens_cpu)
         total = int(kv_indptr[-1])
         if total > self._graph_indices.numel():
             raise RuntimeError(
@@ -246,7 +246,7 @@ class FlashInferAttnBackend(AttentionBackend):
         self._mode, self._active_decode, self._meta_batch = "decode", state.wrapper, batch
 
     def _plan_graph(self, state: _GraphState, batch: ForwardBatchLike) -> None:
-        kv_indptr = _indptr(batch.seq_lens_cpu)
+        kv_indptr = lengths_indptr(batch.seq_lens_cpu)
         total = int(kv_indptr[-1])
         if total > self._graph_indices.numel():
             raise RuntimeError(
@@ -308,7 +308,7 @@ class FlashInferAttnBackend(AttentionBackend):
         self._fi.merge_state_in_place(out, lse, prefix_out, prefix_lse)
 
 
-def _indptr(lengths: List[int]) -> torch.Tensor:
+def lengths_indptr(lengths: List[int]) -> torch.Tensor:
     """(n + 1,) int32 host tensor: 0, then the running sum of `lengths`."""
     out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     if lengths:
