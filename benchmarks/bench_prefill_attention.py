@@ -7,13 +7,16 @@ before). Llama-3.1-8B's heads by default (32 query heads, 8 KV heads, head_dim 1
 layer of --layers layers, each layer's KV in its own place (the engine's token-major pool,
 (slots, layers, 2, Hkv, D), page size 1, each request's slots shuffled as after churn). Variants:
 
-  paged fa2    BatchPrefillWithPagedKVCacheWrapper, backend "fa2", causal over [prefix | new] in the pool:
-               the engine's prefill attention (kernels/attention/flashinfer.py)
+  paged fa2    BatchPrefillWithPagedKVCacheWrapper, backend "fa2", causal over [prefix | new] in the pool
   paged fa3    the same with backend "fa3" (Hopper)
-  ragged fa2   BatchPrefillWithRaggedKVCacheWrapper over the step's own K/V (contiguous (T, Hkv, D)),
-               causal; requests with a prefix add the paged wrapper over the prefix alone (not causal) and
-               FlashInfer's merge_state_in_place of the two (SGLang's split)
+  ragged fa2   what the engine runs for EngineConfig.flashinfer_prefill "ragged-fa2": on a step without
+               cached prefixes, BatchPrefillWithRaggedKVCacheWrapper over the step's own K/V (contiguous
+               (T, Hkv, D)), causal; on a step with one, the paged kernel above
   ragged fa3   the same with backend "fa3"
+  split fa2    SGLang's split, for comparison: the ragged kernel over the new K/V, plus (steps with a
+               prefix) the paged kernel over the prefixes alone, not causal, merged by log-sum-exp
+               (FlashInfer's merge_state_in_place)
+  split fa3    the same with backend "fa3"
 
 Each variant's output is checked against the first variant's (paged fa2 by default; max abs difference).
 Timed eagerly: --layers calls between two CUDA events, best of 5, after two warm-up rounds (plan() runs
@@ -33,7 +36,7 @@ from typing import Dict, List, Tuple
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-VARIANTS = ("paged fa2", "paged fa3", "ragged fa2", "ragged fa3")
+VARIANTS = ("paged fa2", "paged fa3", "ragged fa2", "ragged fa3", "split fa2", "split fa3")
 
 
 def parse_step(text: str) -> List[Tuple[int, int]]:
@@ -106,7 +109,7 @@ def main() -> None:
             layout, backend = variant.split()
             workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
             try:
-                if layout == "paged":
+                if layout == "paged" or (layout == "ragged" and has_prefix):
                     wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend)
                     wrapper.plan(qo_indptr, all_indptr, slots, ones, hq, hkv, d, 1, causal=True, **kw)
 
@@ -116,13 +119,13 @@ def main() -> None:
                     ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend=backend)
                     ragged.plan(qo_indptr, qo_indptr, hq, hkv, d, causal=True, **kw)
                     prefix_wrapper = None
-                    if has_prefix:  # one workspace for both wrappers, as the engine's backend
+                    if has_prefix:  # split: one workspace for both wrappers
                         prefix_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
                             workspace, "NHD", backend=backend
                         )
                         prefix_wrapper.plan(qo_indptr, pre_indptr, pre_slots, ones, hq, hkv, d, 1, causal=False, **kw)
 
-                    def fn(i, ragged=ragged, prefix_wrapper=prefix_wrapper):  # the engine's calls (_run_prompt_rows)
+                    def fn(i, ragged=ragged, prefix_wrapper=prefix_wrapper):
                         k, v = new_kv[i]
                         out = torch.empty_like(q[i])
                         if prefix_wrapper is None:

@@ -12,7 +12,7 @@ LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
 SchedulePolicy = Literal["lpm", "fcfs"]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "flashinfer", "triton", "torch_native")
-FLASHINFER_PREFILL = ("paged-fa2", "paged-fa3", "ragged-fa2", "ragged-fa3")
+FLASHINFER_PREFILL = ("auto", "paged-fa2", "paged-fa3", "ragged-fa2", "ragged-fa3")
 """kernels.attention.flashinfer.PREFILL_KINDS (config does not import the kernels; a test keeps them equal)."""
 
 
@@ -125,13 +125,14 @@ class EngineConfig:
         },
     )
     flashinfer_prefill: str = field(
-        default="paged-fa2",
+        default="auto",
         metadata={
             "help": (
-                "The prompt rows' attention kernel with the FlashInfer backend: paged-fa2 | paged-fa3 |"
+                "The prompt rows' attention kernel with the FlashInfer backend: auto | paged-fa2 | paged-fa3 |"
                 " ragged-fa2 | ragged-fa3. paged: FlashInfer's paged prefill kernel over [cached prefix | new"
-                " tokens] in the KV pool; ragged: its ragged kernel over the step's own K/V, plus the paged"
-                " kernel over cached prefixes, merged. fa2 / fa3: FlashInfer's kernel family (fa3: Hopper)."
+                " tokens] in the KV pool; ragged: its ragged kernel over the step's own K/V on steps without a"
+                " cached prefix, the paged kernel on the others. fa2 / fa3: FlashInfer's kernel family (fa3:"
+                " Hopper only). auto: ragged-fa3 on Hopper, paged-fa2 on other GPUs."
             )
         },
     )

@@ -1,7 +1,9 @@
 """Warm-up: compile what compiles on first use before the first user's request (EngineConfig.warmup).
 
 On CUDA some kernels are built the first time a step needs them, not when the model loads: FlashInfer's
-prefill module (a JIT build of tens of seconds on a machine whose cache is cold), and Triton kernels for
+prefill modules (JIT builds of tens of seconds each on a machine whose cache is cold; with a "ragged-*"
+prompt-row kernel, the ragged module for steps without a cached prefix and the paged one for steps with
+one: A's prefill needs the first, the mixed step below the second), and Triton kernels for
 the shapes of eager prefill and mixed steps and for sampling with temperature / top-p / top-k. CUDA graph
 capture at start-up covers only decode steps and the non-attention work of small prefill steps. Without a
 warm-up the first request a server takes waits for those builds.

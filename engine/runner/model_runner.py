@@ -251,9 +251,16 @@ class ModelRunner:
         # FlashInfer's mixed steps attend their decode rows with the Triton decode kernels unless those are off.
         extra = {}
         if name == "flashinfer":
-            extra = dict(
-                triton_decode_rows=self.config.triton_decode_max_bs > 0, prefill=self.config.flashinfer_prefill
-            )
+            from kernels.attention.flashinfer import resolve_prefill_kind  # noqa: PLC0415
+
+            try:
+                prefill = resolve_prefill_kind(
+                    self.config.flashinfer_prefill, torch.cuda.get_device_capability(self.device)
+                )
+            except ValueError as exc:
+                raise InvalidConfigError(f"flashinfer_prefill: {exc}") from exc
+            logger.info("attention: flashinfer, prompt rows on %s", prefill)
+            extra = dict(triton_decode_rows=self.config.triton_decode_max_bs > 0, prefill=prefill)
         self.attn_backend = get_backend_class(name)(*args, m.head_dim**-0.5, **extra)
         self.triton_decode_backend = None
         """The Triton backend for decode steps of up to `triton_decode_max_bs` requests when the main backend is

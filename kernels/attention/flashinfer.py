@@ -13,12 +13,15 @@ K/V tensors it is given (its paged_kv_t takes a page stride and computes offsets
                                     new tokens], the query rows aligned to the end of each request's KV
                             DECODE  BatchDecodeWithPagedKVCacheWrapper.run
 
-The prompt rows of an EXTEND step take one of four kernels (`prefill`, EngineConfig.flashinfer_prefill):
+The prompt rows of an EXTEND step take one of four kernels (`prefill`, EngineConfig.flashinfer_prefill;
+"auto" picks "ragged-fa3" on Hopper, "paged-fa2" elsewhere: resolve_prefill_kind):
 "paged-fa2" / "paged-fa3" run the paged prefill kernel above (FlashInfer's FA2 or Hopper FA3 family);
 "ragged-fa2" / "ragged-fa3" attend the step's own K/V as contiguous tensors with
-BatchPrefillWithRaggedKVCacheWrapper (causal), and requests with a cached prefix add the paged kernel over
-the prefix alone (not causal), the two merged by their log-sum-exp (FlashInfer's merge_state_in_place); a
-request without a prefix has an empty KV there, whose log-sum-exp is -inf.
+BatchPrefillWithRaggedKVCacheWrapper (causal) when no prompt request of the step has a cached prefix (or an
+earlier chunk), and run the paged kernel of their family otherwise: the paged kernel reads the prefix where
+it lies, in one pass, where the ragged kernel would need a second pass over the prefix and a log-sum-exp
+merge (SGLang's split; with the FA3 family that split's rows disagree with the reference when requests
+without a prefix sit beside ones with one: bench_prefill_attention.py's "split fa3" shows it).
 
 A mixed step (EXTEND) leads with the running requests' decode tokens: one new token each. FlashInfer's
 prefill kernel gives each request a whole tile of query rows, so those one-token requests would cost it a
@@ -37,7 +40,7 @@ flashinfer is imported when the backend is built, never at `import kernels`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -47,8 +50,26 @@ from kernels.attention.triton import DecodeMeta, plan_decode, run_decode
 WORKSPACE_BYTES = 256 << 20
 """FlashInfer's float workspace (split-KV partial results), shared by every wrapper of one backend."""
 
-PREFILL_KINDS = ("paged-fa2", "paged-fa3", "ragged-fa2", "ragged-fa3")
-"""The prompt rows' kernels (module docstring): layout, then FlashInfer's kernel family."""
+PREFILL_KINDS = ("auto", "paged-fa2", "paged-fa3", "ragged-fa2", "ragged-fa3")
+"""The prompt rows' kernels (module docstring): layout, then FlashInfer's kernel family; "auto": see
+resolve_prefill_kind."""
+
+
+def resolve_prefill_kind(kind: str, capability: Tuple[int, int]) -> str:
+    """The prompt-row kernel to run on a GPU of compute `capability` (major, minor) for `kind`, one of
+    PREFILL_KINDS. "auto": "ragged-fa3" on Hopper (9.x), where FlashInfer's FA3 kernels run, else "paged-fa2".
+    Raises ValueError for an unknown kind, or an FA3 kind on a GPU other than Hopper."""
+    if kind not in PREFILL_KINDS:
+        raise ValueError(f"prefill must be one of {PREFILL_KINDS}, got {kind!r}")
+    hopper = capability[0] == 9
+    if kind == "auto":
+        return "ragged-fa3" if hopper else "paged-fa2"
+    if kind.endswith("fa3") and not hopper:
+        raise ValueError(
+            f"prefill={kind!r} runs FlashInfer's FA3 kernels, which need a Hopper GPU (compute capability 9.x); "
+            f"this one is {capability[0]}.{capability[1]}: use an fa2 kind or auto"
+        )
+    return kind
 
 
 @dataclass
@@ -70,7 +91,7 @@ class FlashInferAttnBackend(AttentionBackend):
 
     supports_cuda_graph = True
 
-    def __init__(self, *args, triton_decode_rows: bool = True, prefill: str = "paged-fa2", **kwargs):
+    def __init__(self, *args, triton_decode_rows: bool = True, prefill: str = "auto", **kwargs):
         super().__init__(*args, **kwargs)
         if prefill not in PREFILL_KINDS:
             raise ValueError(f"prefill must be one of {PREFILL_KINDS}, got {prefill!r}")
@@ -81,6 +102,8 @@ class FlashInferAttnBackend(AttentionBackend):
         device = self.req_to_token.device
         if device.type != "cuda":
             raise ValueError("the flashinfer attention backend needs a CUDA device; use torch_native on CPU")
+        self.prefill_kind = resolve_prefill_kind(prefill, torch.cuda.get_device_capability(device))
+        """The prompt rows' kernel this backend runs: `prefill` with "auto" resolved for the device."""
         k_buf, _ = self.kv_pool.get_kv_buffer(0)
         self.dtype = k_buf.dtype
         if self.dtype not in (torch.float16, torch.bfloat16):
@@ -92,16 +115,16 @@ class FlashInferAttnBackend(AttentionBackend):
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         # Tensor-core decode pays off for wide GQA groups (as in SGLang: group >= 4).
         self.decode_tensor_cores = self.num_heads // self.num_kv_heads >= 4
-        layout, family = prefill.split("-")
+        layout, family = self.prefill_kind.split("-")
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=family)
         self.ragged_wrapper = (
             flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD", backend=family)
             if layout == "ragged"
             else None
         )
-        """"ragged-*": the prompt rows' kernel over the step's own K/V; prefill_wrapper then covers prefixes only."""
-        self._prefix_planned = False
-        """Ragged: some prompt request of this step has a cached prefix, and prefill_wrapper is planned over those."""
+        """"ragged-*": the prompt rows' kernel over the step's own K/V, for steps without cached prefixes."""
+        self._ragged_planned = False
+        """This EXTEND step's prompt rows run on ragged_wrapper (planned), not on prefill_wrapper."""
         self.decode_wrapper = self._new_decode_wrapper()
         self._mode: Optional[str] = None
         self._meta_batch: Optional[ForwardBatchLike] = None
@@ -124,19 +147,15 @@ class FlashInferAttnBackend(AttentionBackend):
         return self._fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", **kwargs)
 
     # ---- metadata ----------------------------------------------------------------------------
-    def _kv_indices(
-        self, batch: ForwardBatchLike, kv_indptr_host: torch.Tensor, first: int = 0, prefix_only: bool = False
-    ) -> torch.Tensor:
-        """KV slots of requests [first, bs) of `batch` (`prefix_only`: of their cached prefixes alone), laid out
-        by `kv_indptr_host` (those lengths' cumsum)."""
+    def _kv_indices(self, batch: ForwardBatchLike, kv_indptr_host: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """KV slots of requests [first, bs) of `batch`, laid out by `kv_indptr_host` (their seq_lens' cumsum)."""
         from kernels.triton.fused_layers import build_kv_indices  # noqa: PLC0415
 
         total = int(kv_indptr_host[-1])
         out = torch.empty(max(total, 1), dtype=torch.int32, device=self.device)
         indptr = kv_indptr_host.to(self.device, non_blocking=True)
         rows = batch.req_pool_indices[first:]
-        lens = (batch.extend_prefix_lens if prefix_only else batch.seq_lens)[first:]
-        return build_kv_indices(self.req_to_token, rows, lens, indptr, out)[:total]
+        return build_kv_indices(self.req_to_token, rows, batch.seq_lens[first:], indptr, out)[:total]
 
     def _plan_kwargs(self) -> dict:
         return dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
@@ -173,26 +192,19 @@ class FlashInferAttnBackend(AttentionBackend):
         """Plan the prompt rows' kernels on requests [first, bs) of `batch`."""
         qo_indptr = lengths_indptr(batch.extend_seq_lens_cpu[first:])
         heads = (self.num_heads, self.num_kv_heads, self.head_dim)
-        causal = True
-        if self.ragged_wrapper is not None:
+        self._ragged_planned = self.ragged_wrapper is not None and not any(batch.extend_prefix_lens_cpu[first:])
+        if self._ragged_planned:
             self.ragged_wrapper.plan(qo_indptr, qo_indptr, *heads, causal=True, **self._plan_kwargs())
-            prefix_lens = batch.extend_prefix_lens_cpu[first:]
-            self._prefix_planned = any(prefix_lens)
-            if not self._prefix_planned:
-                return
-            kv_indptr, causal = lengths_indptr(prefix_lens), False
-            kv_indices = self._kv_indices(batch, kv_indptr, first, prefix_only=True)
-        else:
-            kv_indptr = lengths_indptr(batch.seq_lens_cpu[first:])
-            kv_indices = self._kv_indices(batch, kv_indptr, first)
+            return
+        kv_indptr = lengths_indptr(batch.seq_lens_cpu[first:])
         self.prefill_wrapper.plan(
             qo_indptr,
             kv_indptr,
-            kv_indices,
+            self._kv_indices(batch, kv_indptr, first),
             torch.ones(batch.batch_size - first, dtype=torch.int32),
             *heads,
             1,
-            causal=causal,
+            causal=True,
             **self._plan_kwargs(),
         )
 
@@ -296,16 +308,11 @@ class FlashInferAttnBackend(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: tuple, out: torch.Tensor
     ) -> None:
         """The prompt rows' attention into `out` (T', H, D): q (T', H, D), k/v (T', Hkv, D), this step's own."""
-        if self.ragged_wrapper is None:
-            self.prefill_wrapper.run(q, cache, out=out)
-            return
-        k, v = (x if x.is_contiguous() else x.contiguous() for x in (k, v))
-        if not self._prefix_planned:
+        if self._ragged_planned:
+            k, v = (x if x.is_contiguous() else x.contiguous() for x in (k, v))
             self.ragged_wrapper.run(q, k, v, out=out)
-            return
-        _, lse = self.ragged_wrapper.run(q, k, v, out=out, return_lse=True)
-        prefix_out, prefix_lse = self.prefill_wrapper.run(q, cache, return_lse=True)
-        self._fi.merge_state_in_place(out, lse, prefix_out, prefix_lse)
+        else:
+            self.prefill_wrapper.run(q, cache, out=out)
 
 
 def lengths_indptr(lengths: List[int]) -> torch.Tensor:

@@ -160,27 +160,48 @@ def test_flashinfer_prefill_kinds_are_the_configs():
     from kernels.attention.flashinfer import PREFILL_KINDS
 
     assert FLASHINFER_PREFILL == PREFILL_KINDS
-    assert EngineConfig().flashinfer_prefill in PREFILL_KINDS
+    assert EngineConfig().flashinfer_prefill == "auto"
     with pytest.raises(InvalidConfigError, match="flashinfer_prefill"):
         EngineConfig(flashinfer_prefill="ragged-fa9")
 
 
+def test_flashinfer_prefill_auto_resolves_by_architecture():
+    """ "auto" is the ragged FA3 kernel on Hopper (compute capability 9.x), the paged FA2 kernel elsewhere; an
+    explicit FA3 kind off Hopper is a ValueError naming the device's capability, not a failure inside FlashInfer."""
+    from kernels.attention.flashinfer import PREFILL_KINDS, resolve_prefill_kind
+
+    assert resolve_prefill_kind("auto", (9, 0)) == "ragged-fa3"
+    for capability in [(8, 0), (8, 9), (10, 0), (12, 0)]:
+        assert resolve_prefill_kind("auto", capability) == "paged-fa2"
+        assert resolve_prefill_kind("ragged-fa2", capability) == "ragged-fa2"
+        for kind in ("paged-fa3", "ragged-fa3"):
+            with pytest.raises(ValueError, match=f"{capability[0]}.{capability[1]}"):
+                resolve_prefill_kind(kind, capability)
+    for kind in PREFILL_KINDS[1:]:
+        assert resolve_prefill_kind(kind, (9, 0)) == kind
+    with pytest.raises(ValueError, match="prefill must be one of"):
+        resolve_prefill_kind("ragged-fa9", (9, 0))
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("prefill", ["paged-fa3", "ragged-fa2", "ragged-fa3"])
+@pytest.mark.parametrize("prefill", ["paged-fa2", "paged-fa3", "ragged-fa2", "ragged-fa3", "auto"])
 @pytest.mark.parametrize("triton_decode_rows", [True, False], ids=["decode-rows-triton", "decode-rows-prefill"])
 @pytest.mark.parametrize(
     "mode,seq_lens,prefix_lens",
     [
-        (ForwardMode.EXTEND, [1000, 70, 2500, 9], [0, 0, 0, 0]),  # whole prompts: the ragged kernel alone
-        (ForwardMode.EXTEND, [1000, 70, 2500, 9], [0, 64, 2000, 8]),  # cached prefixes beside none (ragged + merge)
+        (ForwardMode.EXTEND, [1000, 70, 2500, 9], [0, 0, 0, 0]),  # whole prompts: the ragged kernel
+        (ForwardMode.EXTEND, [1000, 70, 2500, 9], [0, 64, 2000, 8]),  # cached prefixes beside none: paged
         (ForwardMode.EXTEND, [2049, 1, 777, 1000, 70, 5], [2048, 0, 776, 0, 64, 4]),  # a mixed step
+        (ForwardMode.EXTEND, [1025, 513, 1000, 70], [1024, 512, 0, 0]),  # decodes, then whole prompts
     ],
-    ids=["no-prefix", "prefixes", "mixed"],
+    ids=["no-prefix", "prefixes", "mixed", "decodes-whole-prompts"],
 )
 def test_gpu_flashinfer_prefill_kinds_match_torch_native(prefill, triton_decode_rows, mode, seq_lens, prefix_lens):
     """Every prompt-row kernel (EngineConfig.flashinfer_prefill) against the float32-accumulating reference, with
     a mixed step's decode rows on the Triton decode kernels or on the prompt rows' kernel."""
     _flashinfer_or_skip()
+    if prefill.endswith("fa3") and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("FlashInfer's FA3 kernels run on Hopper only")
     from test_triton_kernels import ATOL, run_backend
 
     args = (mode, seq_lens, prefix_lens, 32, 8, 128, torch.bfloat16)
