@@ -46,12 +46,12 @@ Per server and workload the JSON holds bench_serving's summary (req/s, output to
 E2E / TPOT percentiles, errors, stream events per output token), and for radixserve servers the
 ratios to vLLM's figure of the same workload (throughput: ours / vLLM; latencies: ours / vLLM). After
 each workload a radixserve server's KV counters are read once it is idle (cluster: /router/stats,
-workers[*].engine; serving: /metrics, where only kv_cache_usage_ratio is exported, whose zero at
-idle is the same check: used = total - free - evictable; bare: engine.stats()) and `kv_no_leak`
-records free + evictable == total. For the cluster, each workload's mean TTFT is also split
-(`ttft_split_ms`, from /router/stats counters read before and after it): the ingress's routing call, its
-worker call to the first message with tokens (of which the worker's own call start to first output), and
-the rest (HAProxy, HTTP, the serving layer and tokenization in the ingress).
+workers[*].engine; serving: /metrics, its radixserve_kv_cache_{total,free,evictable}_tokens gauges;
+bare: engine.stats()) and `kv_no_leak` records free + evictable == total. For the cluster, each
+workload's mean TTFT is also split (`ttft_split_ms`, from /router/stats counters read before and after
+it): the ingress's routing call, its worker call to the first message with tokens (of which the worker's
+own call start to first output), and the rest (HAProxy, HTTP, the serving layer and tokenization in the
+ingress).
 
 --engine-tpot first runs `bench_decode.py --engine-tpot` on the model's config (an Engine in a child
 process, batch 1, the random-1 shape, before any server starts) and records each radixserve server's
@@ -667,16 +667,17 @@ class ServingServer(Server):
             m = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
             return float(m.group(1)) if m else None
 
-        out = {
+        out: Dict[str, Any] = {
             "source": "/metrics",
             "running": gauge("radixserve_num_requests_running"),
             "waiting": gauge("radixserve_num_requests_waiting"),
             "kv_usage_ratio": gauge("radixserve_kv_cache_usage_ratio"),
-            "missing": "kv_free_tokens, kv_total_tokens, kv_evictable_tokens (not exported by /metrics)",
         }
-        if out["kv_usage_ratio"] is not None:
-            # kv_usage = (total - free - evictable) / total (Scheduler.stats): 0 at idle <=> free + evictable == total
-            out["kv_no_leak"] = out["kv_usage_ratio"] == 0.0
+        for kind in ("total", "free", "evictable"):
+            value = gauge(f"radixserve_kv_cache_{kind}_tokens")
+            out[f"kv_{kind}_tokens"] = None if value is None else int(value)
+        if None not in (out["kv_free_tokens"], out["kv_total_tokens"], out["kv_evictable_tokens"]):
+            out["kv_no_leak"] = out["kv_free_tokens"] + out["kv_evictable_tokens"] == out["kv_total_tokens"]
         return out
 
 

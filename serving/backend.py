@@ -34,6 +34,12 @@ class ServingLoad:
     """Share of KV memory held by requests, 0..1 (a cluster: the mean over its workers)."""
     cache_hit_rate: float
     """Cached prompt tokens / prompt tokens."""
+    kv_total_tokens: int
+    """KV slots of the pool (a cluster: summed over its reported workers)."""
+    kv_free_tokens: int
+    """Slots on the free list. Idle and leaking nothing: kv_free_tokens + kv_evictable_tokens == kv_total_tokens."""
+    kv_evictable_tokens: int
+    """Slots held only by the radix cache (no running request), reclaimable on demand."""
 
 
 class ServingBackend(abc.ABC):
@@ -113,7 +119,15 @@ class EngineBackend(ServingBackend):
 
     async def stats(self) -> ServingLoad:
         s = await self.engine.stats_async()
-        return ServingLoad(s.running, s.waiting, s.kv_usage, s.cache_hit_rate)
+        return ServingLoad(
+            s.running,
+            s.waiting,
+            s.kv_usage,
+            s.cache_hit_rate,
+            s.kv_total_tokens,
+            s.kv_free_tokens,
+            s.kv_evictable_tokens,
+        )
 
     async def health(self) -> bool:
         try:

@@ -3,7 +3,8 @@ process, as in tests, never collide).
 
 Request-level series are recorded as responses go out (status by route) and as tokens stream
 (TTFT, inter-token latency, end-to-end latency, token counters, see `RequestTimer`). Engine
-gauges (running, waiting, KV usage, cache hit rate) are read from `backend.stats()` at scrape.
+gauges (running, waiting, KV usage and its free / evictable / total tokens, cache hit rate) are read from
+`backend.stats()` at scrape.
 """
 
 from __future__ import annotations
@@ -87,12 +88,24 @@ class Metrics:
         self.hit_rate = Gauge(
             "radixserve_prefix_cache_hit_rate", "Cached prompt tokens / prompt tokens.", ["model_name"], registry=r
         ).labels(**label)
+        kv_tokens = {
+            "total": "KV pool slots (tokens).",
+            "free": "KV slots on the free list.",
+            "evictable": "KV slots held only by the prefix cache, reclaimable (free + evictable = total when idle).",
+        }
+        self.kv_tokens = {
+            kind: Gauge(f"radixserve_kv_cache_{kind}_tokens", doc, ["model_name"], registry=r).labels(**label)
+            for kind, doc in kv_tokens.items()
+        }
 
     def update_engine_gauges(self, load: ServingLoad) -> None:
         self.running.set(load.running)
         self.waiting.set(load.waiting)
         self.kv_usage.set(load.kv_usage)
         self.hit_rate.set(load.cache_hit_rate)
+        self.kv_tokens["total"].set(load.kv_total_tokens)
+        self.kv_tokens["free"].set(load.kv_free_tokens)
+        self.kv_tokens["evictable"].set(load.kv_evictable_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

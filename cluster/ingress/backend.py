@@ -543,11 +543,15 @@ class ClusterBackend(ServingBackend):
         s = await self.cluster_stats()
         engines = [w.reported.engine if w.reported is not None else None for w in s.workers.values()]
         kv = [e.kv_usage if e is not None else 0.0 for e in engines]  # a worker not reported yet: 0
+        reported = [e for e in engines if e is not None]
         return ServingLoad(
-            running=sum(e.running for e in engines if e is not None),
-            waiting=sum(e.waiting for e in engines if e is not None),
+            running=sum(e.running for e in reported),
+            waiting=sum(e.waiting for e in reported),
             kv_usage=sum(kv) / len(kv) if kv else 0.0,
             cache_hit_rate=s.cache_hit_rate,
+            kv_total_tokens=sum(e.kv_total_tokens for e in reported),
+            kv_free_tokens=sum(e.kv_free_tokens for e in reported),
+            kv_evictable_tokens=sum(e.kv_evictable_tokens for e in reported),
         )
 
     async def health(self) -> bool:

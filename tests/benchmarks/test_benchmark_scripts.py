@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -483,6 +484,27 @@ def test_bench_online_keeps_the_stats_lines_each_workload_logged(tmp_path):
         f.write("INFO: POST /v1/completions\n" + line.replace("925", "4915") + "\n")
     assert server.new_stats_lines() == ["last 10.0 s: prompt 4915 tok/s"]  # only what came since
     assert server.new_stats_lines() == []
+
+
+def test_bench_online_reads_the_serving_kv_gauges_as_the_server_exports_them(tmp_path, monkeypatch):
+    """`python -m serving`'s leak check reads free / evictable / total tokens from the text that
+    serving.metrics renders: free + evictable == total is no leak, anything less is one."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_online
+    import httpx
+
+    from serving.backend import ServingLoad
+    from serving.metrics import Metrics
+
+    server = bench_online.ServingServer(bench_online.build_parser().parse_args([]), str(tmp_path))
+    for free, no_leak in ((700, True), (699, False)):
+        metrics = Metrics("m")
+        metrics.update_engine_gauges(ServingLoad(0, 0, 0.0, 0.5, 1000, free, 300))
+        text = metrics.render().decode()
+        monkeypatch.setattr(httpx, "get", lambda url, timeout, text=text: SimpleNamespace(text=text))
+        kv = server.kv()
+        assert (kv["kv_total_tokens"], kv["kv_free_tokens"], kv["kv_evictable_tokens"]) == (1000, free, 300)
+        assert kv["kv_no_leak"] is no_leak and kv["running"] == 0.0
 
 
 def test_bench_gemm_power_reads_one_layers_shapes_and_the_nvidia_smi_log(tmp_path):

@@ -243,8 +243,9 @@ def test_ingress_reads_worker_stats_by_attribute():
     from cluster.ingress.backend import ClusterBackend
     from cluster.ingress.metrics import WorkerGauges
 
-    a = worker_stats(engine=engine_stats(running=3, waiting=1, kv_usage=0.5))
-    b = worker_stats(engine=engine_stats(running=2, waiting=0, kv_usage=0.25))
+    kv = dict(kv_total_tokens=100, kv_free_tokens=60, kv_evictable_tokens=30)
+    a = worker_stats(engine=engine_stats(running=3, waiting=1, kv_usage=0.5, **kv))
+    b = worker_stats(engine=engine_stats(running=2, waiting=0, kv_usage=0.25, kv_free_tokens=70))
     stats = _cluster_stats({"a": _view(a), "b": _view(b), "new": _view(None)})
 
     async def remote_stats():
@@ -254,6 +255,8 @@ def test_ingress_reads_worker_stats_by_attribute():
     backend.router = SimpleNamespace(stats=SimpleNamespace(remote=remote_stats))
     load = asyncio.run(backend.stats())
     assert (load.running, load.waiting, load.kv_usage) == (5, 1, 0.25)
+    b_kv = (b.engine.kv_total_tokens, b.engine.kv_evictable_tokens)
+    assert (load.kv_total_tokens, load.kv_free_tokens, load.kv_evictable_tokens) == (100 + b_kv[0], 130, 30 + b_kv[1])
 
     families = {f.name: f for f in WorkerGauges(backend, "m").collect()}
     running = {s.labels["replica"]: s.value for s in families["radixserve_worker_num_requests_running"].samples}

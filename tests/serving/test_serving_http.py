@@ -4,6 +4,7 @@ queue full, /generate, tokenize, health, metrics, and client disconnects freeing
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import httpx
@@ -275,6 +276,7 @@ def test_tokenize_detokenize_health_metrics(http, default_engine):
     assert_error(http.post("/v1/tokenize", json={}), 400)
     assert http.get("/health").status_code == 200
     http.post("/v1/completions", json=cmpl())
+    stats = wait_idle(default_engine)
     text = http.get("/metrics").text
     for name in (
         "radixserve_requests_total",
@@ -289,6 +291,13 @@ def test_tokenize_detokenize_health_metrics(http, default_engine):
         "radixserve_prefix_cache_hit_rate",
     ):
         assert name in text, name
+    # The engine is idle: every KV slot is free or held by the prefix cache alone.
+    kv = {
+        kind: float(re.search(rf"^radixserve_kv_cache_{kind}_tokens{{[^}}]*}} (\S+)$", text, re.M).group(1))
+        for kind in ("total", "free", "evictable")
+    }
+    assert kv == {"total": stats.kv_total_tokens, "free": stats.kv_free_tokens, "evictable": stats.kv_evictable_tokens}
+    assert kv["evictable"] > 0 and kv["free"] + kv["evictable"] == kv["total"]
     assert 'route="/v1/completions",status="200"' in text and 'status="400"' in text
 
 
