@@ -27,7 +27,13 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Deque, Dict, List, O
 from engine.config import EngineConfig
 from engine.core.client import CALL_TIMEOUT_S
 from engine.core.messages import AbortRequest, AddRequest, AddRequests, CompleteReceive, ReleaseSent
-from engine.errors import EngineAbortedError, EngineDeadError, InvalidRequestError, PromptTooLongError, QueueFullError
+from engine.errors import (
+    EngineAbortedError,
+    InvalidRequestError,
+    PromptTooLongError,
+    QueueFullError,
+    as_dead_error,
+)
 from engine.models.source import resolve_model
 from engine.outputs import EngineStats, GenerateOutput, ReqOutput, StreamOutput
 from engine.sampling_params import SamplingParams
@@ -513,6 +519,6 @@ class Engine:
 
     def _on_dead(self, exc: BaseException) -> None:
         """The core is gone: every open request ends with EngineDeadError."""
-        err = exc if isinstance(exc, EngineDeadError) else EngineDeadError(f"the engine loop stopped: {exc!r}")
+        err = as_dead_error(exc)
         outputs = [ReqOutput(rid, [], [], None, None, 0, 0, 0, error=err) for rid in list(self._requests)]
         self._dispatch(outputs)

@@ -49,5 +49,12 @@ class TensorParallelError(EngineDeadError):
     """A tensor-parallel rank died or a collective between the ranks failed: the engine stops."""
 
 
+def as_dead_error(exc: BaseException) -> EngineDeadError:
+    """What callers see of `exc`, the error that stopped the engine loop: an EngineDeadError (such as
+    TensorParallelError) as it is, anything else wrapped in one. Every path that reports the engine's death
+    (requests, pending calls, a new call) uses this, so they all raise the same type."""
+    return exc if isinstance(exc, EngineDeadError) else EngineDeadError(f"the engine loop stopped: {exc!r}")
+
+
 class EngineAbortedError(EngineError, RuntimeError):
     """The request was aborted (by the caller or the engine) before it produced its result."""

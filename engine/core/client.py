@@ -26,7 +26,7 @@ from concurrent.futures import Future
 from typing import Any, Callable, Dict, List, Optional
 
 from engine.core.messages import CallResult, CoreCall, CoreInfo
-from engine.errors import EngineDeadError
+from engine.errors import as_dead_error
 from engine.outputs import ReqOutput
 
 OutputsCallback = Callable[[List[ReqOutput]], None]
@@ -95,8 +95,11 @@ class CoreClient(abc.ABC):
 
     # ---- death ---------------------------------------------------------------------------
     def raise_if_dead(self) -> None:
+        """Raise what killed the core: an EngineDeadError (e.g. TensorParallelError) as it is, anything else
+        wrapped in one, so a caller sees the same error whether it or its requests noticed first."""
         if self.dead is not None:
-            raise EngineDeadError(f"the engine loop stopped: {self.dead!r}") from self.dead
+            err = as_dead_error(self.dead)
+            raise err from (None if err is self.dead else self.dead)
 
     def _mark_dead(self, exc: BaseException) -> None:
         """The core is gone: fail pending calls, then tell the front end (once)."""
@@ -105,6 +108,6 @@ class CoreClient(abc.ABC):
         self.dead = exc
         for fut in list(self._calls.values()):
             if not fut.done():
-                fut.set_exception(EngineDeadError(f"the engine loop stopped: {exc!r}"))
+                fut.set_exception(as_dead_error(exc))
         self._calls.clear()
         self._on_dead(exc)

@@ -38,7 +38,7 @@ from engine.core.messages import (
 )
 from engine.core import warmup
 from engine.core.stats_log import StatsLog
-from engine.errors import EngineDeadError, InvalidConfigError, InvalidRequestError
+from engine.errors import InvalidConfigError, InvalidRequestError, as_dead_error
 from engine.memory.kv_cache_manager import KVCacheManager
 from engine.memory.radix_cache import RadixCache
 from engine.models.source import ModelSource
@@ -298,7 +298,7 @@ class EngineCore:
     # ---- failure and shutdown -------------------------------------------------------------
     def fail_all(self, exc: BaseException) -> List[ReqOutput]:
         """Every unfinished request ends with an EngineDeadError; returns their outputs (not sent)."""
-        err = exc if isinstance(exc, EngineDeadError) else EngineDeadError(f"the engine loop stopped: {exc!r}")
+        err = as_dead_error(exc)
         reqs = self.scheduler.drop_all() + [r for p in self._compiling for r in p.reqs]
         self._compiling.clear()
         self._outputs.clear()

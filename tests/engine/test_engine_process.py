@@ -138,3 +138,42 @@ def test_a_killed_core_fails_every_request(process_engine):
     with pytest.raises(EngineDeadError):
         engine.generate("more", dict(max_new_tokens=2))
     assert f"core process {engine.core.pid}: exit code -9" in engine.core_state()
+
+
+def test_a_dead_core_raises_the_same_error_on_every_path():
+    """Whether a caller meets the core's death through a pending call, a new call or its own request, it sees
+    one type: an EngineDeadError such as TensorParallelError as it is, any other error wrapped in one."""
+    import threading
+
+    from engine.core.client import CoreClient
+    from engine.errors import TensorParallelError
+
+    class Client(CoreClient):  # the base class's death bookkeeping; no core behind it
+        def send(self, msg):
+            self.sent.append(msg)
+
+        def wait(self, event: threading.Event, timeout: float) -> bool:
+            return event.wait(timeout)
+
+        def shutdown(self):
+            pass
+
+    for cause, expected in ((TensorParallelError("rank 1 exited"), TensorParallelError), (OSError("pipe"), None)):
+        told = []
+        client = Client(on_outputs=lambda outs: None, on_dead=told.append)
+        client.sent = []
+        pending = client._start_call("stats", ())
+        client._mark_dead(cause)
+        errors = [pending.exception()]
+        with pytest.raises(EngineDeadError) as raised:
+            client.raise_if_dead()
+        errors.append(raised.value)
+        with pytest.raises(EngineDeadError) as raised:
+            client._start_call("stats", ())
+        errors.append(raised.value)
+        assert told == [cause] and len(client.sent) == 1
+        for err in errors:
+            if expected is not None:
+                assert err is cause
+            else:
+                assert type(err) is EngineDeadError and "OSError('pipe')" in str(err)
