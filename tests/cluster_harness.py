@@ -29,12 +29,18 @@ WORKER_ENV = {
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+    "RAY_SERVE_HAPROXY_NBTHREAD": "1",
+    "RADIXSERVE_NIXL_PROGRESS_THREAD": "0",
 }
 """Environment of every replica: offline model files, one thread per engine (2 CPUs are shared),
 UCX over TCP for NIXL in host memory, Serve's handles over gRPC, HAProxy in front and Serve's throughput
 preset as deploy/serve.sh and the image set them (also in this process, whose local Ray cluster the
 proxy inherits it from). A stopping ingress replica leaves at once: with HAProxy, Serve keeps it
-reachable for 30 s so that load balancers in front can deregister it, and none is in front of a test."""
+reachable for 30 s so that load balancers in front can deregister it, and none is in front of a test.
+For these 2 CPUs, two settings differ from a GPU host's: HAProxy runs one thread, not Serve's default 4,
+and NIXL's progress thread is off (cluster/kv_transfer/nixl.py: the receiver then completes a WRITE while
+it waits for it, as a decode replica always does); their polling otherwise takes CPU time from the engines.
+tests/cluster/test_kv_transfer.py runs NIXL with the progress thread, in this process."""
 
 
 RAY_REGISTER_TIMEOUT = ("RAY_worker_register_timeout_seconds", "180")
