@@ -1245,7 +1245,38 @@ def machine_info() -> Dict[str, Any]:
             hw["boot_id"] = f.read().strip()
     except OSError:
         pass
+    hw["http_stack"] = http_stacks()
     return hw
+
+
+_HTTP_STACK = (
+    "import importlib.util as u, json; print(json.dumps({'loop': 'uvloop' if u.find_spec('uvloop') else 'asyncio', "
+    "'parser': 'httptools' if u.find_spec('httptools') else 'h11'}))"
+)
+"""What uvicorn's `auto` loop and parser resolve to in a Python environment (serving.server.http_stack)."""
+
+
+def http_stacks() -> Dict[str, Any]:
+    """The uvicorn loop and parser of our servers' environment and of vLLM's (VLLM_PYTHON, VLLM_PYTHONPATH):
+    a pure-Python fallback on one side only would skew the comparison."""
+    envs = {
+        "radixserve": ([sys.executable], dict(os.environ)),
+        "vllm": (
+            [os.environ.get("VLLM_PYTHON", "python3")],
+            {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+            | {"PYTHONPATH": os.environ.get("VLLM_PYTHONPATH", "")},
+        ),
+    }
+    out: Dict[str, Any] = {}
+    for name, (python, env) in envs.items():
+        try:
+            p = subprocess.run(
+                python + ["-c", _HTTP_STACK], capture_output=True, text=True, timeout=60, env=env, cwd="/"
+            )
+            out[name] = json.loads(p.stdout.strip().splitlines()[-1])
+        except (OSError, subprocess.TimeoutExpired, ValueError, IndexError) as exc:
+            out[name] = {"error": repr(exc)}
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1361,6 +1392,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     log_dir = os.path.abspath(args.log_dir or tempfile.mkdtemp(prefix="bench-online-"))
     os.makedirs(log_dir, exist_ok=True)
     hw = machine_info()
+    print(
+        "HTTP loop / parser: "
+        + ", ".join(f"{k} {v.get('loop')} / {v.get('parser')}" for k, v in hw["http_stack"].items())
+    )
     out = result_path(args.out, "online", hw)
     record: Dict[str, Any] = {}
     if args.merge and os.path.exists(out):

@@ -14,14 +14,23 @@ Idle keep-alive connections are closed after `keep_alive_s`, which must outlast 
 expiry (httpx and the openai SDK: 5 s; aiohttp: 15 s): a server that closes first races the client
 reusing that connection, whose next request then fails with a connection reset before reaching the app.
 The default matches Ray Serve's HTTP front end, so the single node and the cluster behave alike.
+
+uvicorn picks its event loop and HTTP parser from what is installed: uvloop and httptools (uvicorn's
+`standard` extra, a dependency of this project and of Ray Serve), else asyncio's loop and the pure-Python
+h11 parser, which cost CPU time for every request and every streamed event on the one loop that writes
+all the streams. The server logs which it runs on (`http_stack`), and warns on the fallbacks.
 """
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+import importlib.util
+import logging
+from typing import Callable, Dict, List, Optional
 
 import uvicorn
 from fastapi import FastAPI
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_GRACE_S = 30.0
 """How long running requests may take to finish after SIGTERM."""
@@ -57,6 +66,28 @@ class DrainingServer(uvicorn.Server):
                 self.on_stopped()
 
 
+def http_stack() -> Dict[str, str]:
+    """The event loop and HTTP/1.1 parser uvicorn's `auto` settings pick in this environment:
+    {"loop": "uvloop" | "asyncio", "parser": "httptools" | "h11"}."""
+    has = lambda name: importlib.util.find_spec(name) is not None  # noqa: E731 - a local predicate
+    return {"loop": "uvloop" if has("uvloop") else "asyncio", "parser": "httptools" if has("httptools") else "h11"}
+
+
+def log_http_stack() -> Dict[str, str]:
+    """Log `http_stack()` (a warning when a pure-Python fallback is in use) and return it."""
+    stack = http_stack()
+    if stack == {"loop": "uvloop", "parser": "httptools"}:
+        logger.info("HTTP: uvicorn on uvloop, httptools parser")
+    else:
+        logger.warning(
+            "HTTP: uvicorn on %s loop, %s parser: install uvicorn[standard] (uvloop, httptools); the fallbacks "
+            "cost CPU time per streamed event",
+            stack["loop"],
+            stack["parser"],
+        )
+    return stack
+
+
 def run(
     app: FastAPI,
     *,
@@ -70,6 +101,7 @@ def run(
     """Serve `app` until SIGTERM / SIGINT, drain (see the module docstring), then call `on_stopped`
     (what the app's backend must release). uvicorn then re-raises the signal it caught, so the
     process ends the way the signal asked (exit status -SIGTERM for a parent that waits on it)."""
+    log_http_stack()
     DrainingServer(
         app, grace_s, on_stopped, host=host, port=port, log_level=log_level, timeout_keep_alive=keep_alive_s
     ).run()

@@ -237,6 +237,19 @@ def test_bench_serving_reads_vllm_prefix_cache_counters(monkeypatch):
     assert bs.server_cache_counters("http://server", None) is None
 
 
+def test_bench_online_records_both_sides_http_loop_and_parser(monkeypatch):
+    """Each side's uvicorn loop and parser, read in its own environment (here both are this one)."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import bench_online
+
+    monkeypatch.setenv("VLLM_PYTHON", sys.executable)
+    monkeypatch.setenv("VLLM_PYTHONPATH", "")
+    stacks = bench_online.http_stacks()
+    assert stacks["radixserve"] == stacks["vllm"] == {"loop": "uvloop", "parser": "httptools"}
+    monkeypatch.setenv("VLLM_PYTHON", "/nonexistent/python")
+    assert "error" in bench_online.http_stacks()["vllm"]
+
+
 def test_bench_online_ratios_and_table_from_fabricated_summaries():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import bench_online

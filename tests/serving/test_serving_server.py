@@ -54,6 +54,28 @@ def test_bad_request_is_a_400(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
 
 
+def test_the_log_names_the_http_loop_and_parser(server):
+    """The project installs uvicorn[standard]: uvicorn runs on uvloop and httptools, and says so."""
+    from serving.server import http_stack
+
+    proc, _ = server
+    assert http_stack() == {"loop": "uvloop", "parser": "httptools"}
+    assert "HTTP: uvicorn on uvloop, httptools parser" in open(proc.log_path).read()
+
+
+def test_a_pure_python_fallback_is_a_warning(monkeypatch, caplog):
+    import importlib.util
+
+    from serving import server as server_module
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "httptools" else real(name, *a))
+    with caplog.at_level("INFO", logger="serving.server"):
+        assert server_module.log_http_stack() == {"loop": "uvloop", "parser": "h11"}
+    (record,) = caplog.records
+    assert record.levelname == "WARNING" and "h11 parser" in record.getMessage()
+
+
 def test_ctrl_c_stops_the_server_and_its_core(server):
     proc, _ = server
     core = _children(proc.pid)
