@@ -74,6 +74,7 @@ class Tokenizer:
         self.vocab_size: int = len(hf)
         declared = [hf.eos_token_id] if hf.eos_token_id is not None else []
         self.eos_token_ids: frozenset[int] = frozenset(int(i) for i in [*declared, *extra_eos_ids])
+        self._rust_decode = _plain_rust_decode(hf)
 
     @property
     def has_chat_template(self) -> bool:
@@ -111,7 +112,13 @@ class Tokenizer:
         return [list(self.hf.encode(t, add_special_tokens=add_special_tokens)) for t in texts]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Text of `ids`; incomplete UTF-8 sequences decode to U+FFFD."""
+        """Text of `ids`; incomplete UTF-8 sequences decode to U+FFFD. The same text as transformers'
+        `decode(ids, skip_special_tokens, clean_up_tokenization_spaces=False)`: for a fast tokenizer that
+        does not override decoding, that call is its Rust backend's `decode`, called here directly (the
+        streaming detokenizer decodes twice per output token, and transformers' per-call argument
+        conversion cost more than the decoding itself)."""
+        if self._rust_decode is not None:
+            return self._rust_decode(ids if isinstance(ids, list) else list(ids), skip_special_tokens)
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
     def chat_prompt_text(
@@ -156,6 +163,27 @@ class Tokenizer:
         special tokens, so it is encoded without adding any (as transformers does)."""
         text = self.chat_prompt_text(messages, tools, add_generation_prompt, **template_kwargs)
         return self.encode(text, add_special_tokens=False, param="messages")
+
+
+def _plain_rust_decode(hf: Any) -> Optional[Any]:
+    """The Rust backend's `decode` when `hf.decode(ids, skip_special_tokens, clean_up_tokenization_spaces=False)`
+    is exactly that call (transformers' fast tokenizer whose class overrides neither `decode` nor `_decode`);
+    None otherwise (slow tokenizers, tokenizers with decoding of their own)."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: keep its own decode
+        return None
+    rust = getattr(hf, "_tokenizer", None)
+    cls = type(hf)
+    if (
+        rust is None
+        or not isinstance(hf, TokenizersBackend)
+        or cls.decode is not PreTrainedTokenizerBase.decode
+        or cls._decode is not TokenizersBackend._decode
+    ):
+        return None
+    return rust.decode
 
 
 def _check_messages(messages: Any) -> None:

@@ -61,6 +61,37 @@ def test_encode_batch_gives_encode_ids(tok, metaspace_tok):
     assert len(Tokenizer(truncating).encode_batch(["Hello world! Hello"])[0]) > 2
 
 
+def test_decode_is_transformers_decode(tok, metaspace_tok):
+    """`decode` calls the Rust backend directly for plain fast tokenizers: the text is transformers' own
+    `decode(ids, skip_special_tokens, clean_up_tokenization_spaces=False)` for random ids with special
+    tokens mixed in (byte-level BPE and Metaspace), skipped or kept."""
+    rng = random.Random(7)
+    for t in (tok, metaspace_tok):
+        assert t._rust_decode is not None
+        specials = sorted(t.hf.all_special_ids)
+        for _ in range(500):
+            ids = [rng.randrange(t.vocab_size) for _ in range(rng.randrange(0, 10))] + rng.sample(specials, 2)
+            rng.shuffle(ids)
+            for skip in (True, False):
+                want = t.hf.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+                assert t.decode(ids, skip) == want
+                assert t.decode(tuple(ids), skip) == want
+
+
+def test_decode_keeps_a_tokenizer_classes_own_decoding(metaspace_tok):
+    """A tokenizer class that overrides `_decode` keeps it: `decode` then goes through transformers."""
+    from engine.tokenizer import Tokenizer
+
+    class Shouting(type(metaspace_tok.hf)):
+        def _decode(self, token_ids, **kwargs):
+            return super()._decode(token_ids, **kwargs).upper()
+
+    hf = metaspace_tok.hf
+    shouting = Tokenizer(Shouting(tokenizer_object=hf.backend_tokenizer, eos_token="</s>"))
+    assert shouting._rust_decode is None
+    assert shouting.decode([3, 4, 5]) == "HELLO WORLD!" == hf.decode([3, 4, 5]).upper()
+
+
 def stream(detok, ids, chunk_sizes=(1,)):
     """Feed `ids` in chunks cycling through `chunk_sizes`; return the list of deltas incl. flush."""
     deltas, i, k = [], 0, 0
