@@ -190,6 +190,84 @@ def test_bench_serving_counts_every_chunk_with_choices_as_a_token_event():
     assert summary["tpot_ms"]["mean"] == (res.e2e - res.ttft) * 1e3
 
 
+def test_bench_serving_gives_each_request_in_flight_a_connection_of_its_own():
+    """Lanes: with C requests in flight the server sees at most C connections, each kept alive and reused by
+    the requests that follow, and never more than C requests at once; every request completes."""
+    import asyncio
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_serving as bs
+
+    seen = {"ports": set(), "open": 0, "most": 0, "requests": 0}
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        seen["ports"].add(scope["client"][1])
+        seen["requests"] += 1
+        seen["open"] += 1
+        seen["most"] = max(seen["most"], seen["open"])
+        try:
+            while (await receive()).get("more_body"):
+                pass
+            await send(
+                {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
+            )
+            for event in ({"choices": [{"index": 0, "text": "a"}]}, {"choices": [{"index": 0, "text": "b"}]}):
+                await asyncio.sleep(0.01)
+                await send(
+                    {"type": "http.response.body", "body": f"data: {json.dumps(event)}\n\n".encode(), "more_body": True}
+                )
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+        finally:
+            seen["open"] -= 1
+
+    with serve(app) as url:
+        argv = [
+            "--base-url",
+            url,
+            "--dataset",
+            "random",
+            "--num-prompts",
+            "24",
+            "--input-len",
+            "8",
+            "--output-len",
+            "2",
+        ]
+        argv += ["--max-concurrency", "4"]
+        args = bs.build_parser().parse_args(argv)
+        sessions = bs.make_workload(args)
+        results, _ = asyncio.run(bs.run_load(args, sessions))
+    n = sum(len(turns) for turns in sessions)
+    assert n > 4 and len(results) == n and all(r.ok and r.text == "ab" for r in results)
+    assert seen["requests"] == n and seen["most"] <= 4
+    assert len(seen["ports"]) == 4  # one keep-alive connection per lane, made before the clock started
+
+
+def test_bench_serving_lanes_reuse_the_last_freed_client_and_grow_on_demand():
+    """A lane is one client with one connection; the last one given back is taken first (its connection is
+    the freshest); more are made only when every lane is busy."""
+    import asyncio
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_serving as bs
+
+    async def go():
+        lanes = bs.Lanes(base_url="http://test")
+        lanes.prepare(2)
+        a, b = lanes.take(), lanes.take()
+        c = lanes.take()  # both busy: a third is made
+        assert len(lanes) == 3 and len({id(a), id(b), id(c)}) == 3
+        lanes.give(a)
+        lanes.give(c)
+        assert lanes.take() is c and lanes.take() is a and len(lanes) == 3
+        assert c._transport._pool._max_connections == 1
+        await lanes.aclose()
+
+    asyncio.run(go())
+
+
 def test_bench_serving_timeline_lists_requests_in_send_order():
     """bench_online keeps each request's send time, TTFT and E2E (bench_serving.timeline): in the order sent,
     times from the first send, a failed request with zero latencies."""
