@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Dict, List, Optional
 from serving import tool_calls as tc
 from serving.protocol import TokenLogprobEntry, TopLogprob
 from serving.state import ServingState, UsageTracker
-from serving.streams import GenerationStream, sse
+from serving.streams import GenerationStream, TextEvents, sse
 
 if TYPE_CHECKING:
     from serving.chat import ChatPlan
@@ -55,7 +55,7 @@ async def chat_events(
     usage = UsageTracker()
     choices: Dict[int, _Choice] = {}
 
-    def chunk(index: int, delta: dict, logprobs: Optional[List[Any]] = None, finish: Optional[str] = None) -> str:
+    def chunk_data(index: int, delta: dict, logprobs: Optional[List[Any]] = None, finish: Optional[str] = None) -> dict:
         lps = None
         if body.logprobs and logprobs is not None:
             lps = {"content": [e.model_dump() for e in logprob_entries(st, logprobs)], "refusal": None}
@@ -68,7 +68,14 @@ async def chat_events(
         }
         if include_usage:
             data["usage"] = None
-        return sse(data)
+        return data
+
+    def chunk(index: int, delta: dict, logprobs: Optional[List[Any]] = None, finish: Optional[str] = None) -> str:
+        if finish is None and len(delta) == 1 and "content" in delta and not (body.logprobs and logprobs is not None):
+            return plain(index, delta["content"])
+        return sse(chunk_data(index, delta, logprobs, finish))
+
+    plain = TextEvents(lambda index, text: chunk_data(index, {"content": text}))
 
     async for _, out in stream.iterate():
         usage.add(0, out)

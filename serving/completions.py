@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from serving.errors import APIError
 from serving.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, new_id
 from serving.state import ServingState, UsageTracker, get_state
-from serving.streams import GenerationStream, cancel_on_disconnect, collect, sse, stream_response
+from serving.streams import GenerationStream, TextEvents, cancel_on_disconnect, collect, sse, stream_response
 from serving.unsupported import COMPLETION_REFUSED, refuse_unsupported
 
 router = APIRouter()
@@ -109,6 +109,12 @@ async def _events(
     usage = UsageTracker()
     base = {"id": rid, "object": "text_completion", "model": st.model_name}
     created = CompletionResponse(id=rid, model=st.model_name, choices=[]).created
+
+    def chunk(choice: dict) -> dict:
+        # No "usage": null here (OpenAI's completion schema has no nullable usage); only the last chunk has it.
+        return {**base, "created": created, "choices": [choice]}
+
+    plain = TextEvents(lambda k, text: chunk({"index": k, "text": text, "logprobs": None, "finish_reason": None}))
     async for i, out in stream.iterate():
         usage.add(i, out)
         k = i * n + out.index
@@ -124,10 +130,10 @@ async def _events(
             n_head = 0 if head is None else len(head.tokens)
             lps = legacy_logprobs(st, out.logprobs or [], offsets[k], head).model_dump()
             offsets[k] += sum(len(t) for t in lps["tokens"][n_head:])
-        if not text and lps is None and out.finish_reason is None and not out.new_token_ids:
-            continue  # like vLLM: a chunk per step that produced tokens, even while their text is held back
-        choice = {"index": k, "text": text, "logprobs": lps, "finish_reason": out.finish_reason}
-        # No "usage": null here (OpenAI's completion schema has no nullable usage); only the last chunk has it.
-        yield sse({**base, "created": created, "choices": [choice]})
+        if lps is None and out.finish_reason is None:
+            if text or out.new_token_ids:  # like vLLM: a chunk per step that produced tokens, even while held back
+                yield plain(k, text)
+            continue
+        yield sse(chunk({"index": k, "text": text, "logprobs": lps, "finish_reason": out.finish_reason}))
     if include_usage:
         yield sse({**base, "created": created, "choices": [], "usage": usage.usage().model_dump()})

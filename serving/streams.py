@@ -18,7 +18,8 @@ import asyncio
 import contextlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, List, Optional, Tuple
+from json.encoder import encode_basestring
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional, Tuple
 
 import anyio
 from fastapi import Request
@@ -184,6 +185,33 @@ def sse(data: Any) -> str:
     """One server-sent event carrying `data` as compact JSON (or a literal string like [DONE])."""
     payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
     return f"data: {payload}\n\n"
+
+
+_SLOT = "\u0000text\u0000"
+"""Stands for the text in a chunk template (no generated text is compared with it: it is only split on)."""
+
+
+class TextEvents:
+    """The SSE events of one stream's plain text chunks: `sse(make(index, text))` for a `make` whose chunk
+    differs from one text to the next only in that text. The chunk is encoded once per choice index with a
+    placeholder, and each event is that encoding with the text's own JSON string in its place: the same
+    characters as `sse` gives (`encode_basestring` is what json.dumps(ensure_ascii=False) writes for a
+    string), without building and encoding the whole chunk for every token."""
+
+    def __init__(self, make: Callable[[int, str], Any]):
+        self._make = make
+        self._parts: Dict[int, Optional[Tuple[str, str]]] = {}
+
+    def __call__(self, index: int, text: str) -> str:
+        if index not in self._parts:
+            slot = encode_basestring(_SLOT)
+            head, found, tail = sse(self._make(index, _SLOT)).partition(slot)
+            # The placeholder elsewhere in the chunk too (a model name holding it): encode every event whole.
+            self._parts[index] = (head, tail) if found and slot not in head + tail else None
+        parts = self._parts[index]
+        if parts is None:
+            return sse(self._make(index, text))
+        return parts[0] + encode_basestring(text) + parts[1]
 
 
 def stream_response(stream: GenerationStream, events: AsyncIterator[str]) -> "SSEResponse":

@@ -244,6 +244,30 @@ def test_sse_framing(http):
     assert len(chunks[-1]["output_ids"]) == 4
 
 
+def test_text_events_are_the_whole_chunk_encoded():
+    """TextEvents (the per-token fast path of the completion and chat streams) gives exactly the characters
+    `sse` gives for the whole chunk, for any text (escapes, non-ASCII, lone surrogates, the placeholder
+    itself) and any choice index; a chunk that holds the placeholder elsewhere is encoded whole."""
+    from hypothesis import given, settings, strategies as hs
+
+    from serving.streams import _SLOT, TextEvents, sse
+
+    def chunk(model):
+        return lambda k, text: {"id": "cmpl-1", "model": model, "choices": [{"index": k, "text": text, "x": None}]}
+
+    @settings(max_examples=300, deadline=None)
+    @given(text=hs.text() | hs.sampled_from(['"\\\n', "\ud800", "é😀", _SLOT]), index=hs.integers(0, 3))
+    def same(text, index):
+        for model in ("m", "a" + _SLOT):
+            assert TextEvents(chunk(model))(index, text) == sse(chunk(model)(index, text))
+
+    same()
+    events = TextEvents(chunk("m"))
+    assert [events(0, "a"), events(1, "b"), events(0, "c")] == [
+        sse(chunk("m")(k, t)) for k, t in ((0, "a"), (1, "b"), (0, "c"))
+    ]
+
+
 def test_generate_native(http, default_engine):
     ref = default_engine.generate("Hello", {"temperature": 0, "max_new_tokens": 6})
     r = http.post("/generate", json={"text": "Hello", "sampling_params": {"temperature": 0, "max_new_tokens": 6}})
