@@ -328,10 +328,10 @@ class _Validated(_ClusterFields):
         given = sorted(set(wrong) & self.model_fields_set)
         if given:
             raise ValueError(f"{', '.join(given)} not used with mode={self.mode}")
-        if self.mode == "disaggregated" and "core_process" in self.model_fields_set and self.core_process:
+        if self.mode == "disaggregated" and self._disaggregated_core_process() and self.tensor_parallel_size > 1:
             raise ValueError(
-                "core_process is not supported with mode=disaggregated yet: the KV transfer "
-                "registers the engine's KV pool from the worker's own process"
+                "core_process with mode=disaggregated needs tensor_parallel_size 1: the other ranks' KV "
+                "transfer runs beside a core in the worker's own process"
             )
         if self.admin_api_key is not None and self.admin_api_key == self.api_key:
             raise ValueError("admin_api_key must differ from api_key")
@@ -364,11 +364,19 @@ class _Validated(_ClusterFields):
                     raise ValueError(f"{name}: {exc}") from None
         return self
 
+    def _disaggregated_core_process(self) -> bool:
+        """Whether a disaggregated worker's engine core runs in a process of its own: only when asked for
+        (core_process=true given), as its KV transfer then maps the core's pool into the worker's process."""
+        return "core_process" in self.model_fields_set and self.core_process
+
     def engine_options(self) -> Dict[str, Any]:
         """EngineConfig keyword arguments of every worker (without model / enable_cache_events)."""
         options = {name: getattr(self, name) for name in ENGINE_OPTIONS}
-        if self.mode == "disaggregated":  # the KV transfer needs the KV pool in the worker's process
-            options["core_process"] = False
+        if self.mode == "disaggregated":
+            # The KV transfer moves the pool's pages from the worker's process: with the core in a process of
+            # its own, that pool is shared with the worker (EngineConfig.share_kv_pool).
+            options["core_process"] = self._disaggregated_core_process()
+            options["share_kv_pool"] = options["share_kv_pool"] or options["core_process"]
         return options
 
     def rate_limits(self, ingress_replicas: int) -> Any:

@@ -204,6 +204,17 @@ class EngineConfig:
             )
         },
     )
+    share_kv_pool: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "Allocate the KV pool so that another process of this machine can map it (Engine.kv_pool_rows"
+                " with core_process): on CPU in a named shared-memory segment (/dev/shm); CUDA memory is"
+                " shared through CUDA IPC. The cluster sets it for disaggregated workers whose core runs in a"
+                " process of its own, so that their KV transfer moves the core's pages."
+            )
+        },
+    )
     log_stats_interval_s: float = field(
         default=0.0,
         metadata={

@@ -157,6 +157,8 @@ class Engine:
         self._requests: Dict[str, _Entry] = {}
         """Engine rid → its group and choice, until the core reports that choice over."""
         self._seed_rng = random.Random(self.config.random_seed)
+        self._mapped_kv_pool: Any = None
+        """The core process's KV pool mapped into this process (kv_pool_rows), once asked for."""
         self.core = self._start_core()
         info = self.core.info
         self.info = info
@@ -343,6 +345,19 @@ class Engine:
     def flush_cache(self) -> None:
         """Drop every unlocked cached prefix (for benchmarks)."""
         self.core.call("flush_cache")
+
+    def kv_pool_rows(self) -> Any:
+        """The KV pool's memory as (num_slots, values per token), slot rows contiguous (KVPool.slot_rows), for a
+        KV transfer backend. With core_process the pool lives in the core's process and is mapped here once
+        (needs share_kv_pool on CPU); the mapping is this engine's. Pages may be read or written through it
+        only while the core holds them for that transfer (a handoff's sender or receiver)."""
+        if getattr(self.core, "core", None) is not None:
+            return self.runner.kv_pool.slot_rows()
+        if self._mapped_kv_pool is None:
+            from engine.memory.kv_pool import map_kv_pool  # noqa: PLC0415
+
+            self._mapped_kv_pool = map_kv_pool(self.core.call("export_kv_pool"))
+        return self._mapped_kv_pool.slot_rows()
 
     def shutdown(self) -> None:
         self.core.shutdown()

@@ -161,6 +161,7 @@ SHARED_SERVE = SharedServe(
         "test_admission.py",
         "test_disaggregated.py",
         "test_disaggregated_admin.py",
+        "test_disaggregated_core_process.py",
         "test_disaggregated_tp.py",
     )
 )

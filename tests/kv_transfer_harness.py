@@ -44,6 +44,10 @@ class _Peer:
     def info(self):
         return self.backend.info()
 
+    def export(self):
+        """The pool's KVPoolHandle (CUDA pools: CUDA IPC), for another process to map."""
+        return self.pool.export()
+
     def connect(self, info) -> None:
         self.backend.connect(info)
 

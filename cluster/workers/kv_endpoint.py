@@ -7,7 +7,7 @@ from typing import Any, Union
 
 import numpy as np
 
-from cluster.kv_transfer import MAX_MESSAGE_BYTES, PeerInfo, kv_pool_buffers, make_backend
+from cluster.kv_transfer import MAX_MESSAGE_BYTES, PeerInfo, make_backend
 from cluster.kv_transfer.ranked import RankedPeerInfo, RankedTransfer
 
 
@@ -24,13 +24,17 @@ class KVEndpoint:
     """Mixin: a worker replica's KV transfer backend over its engine's KV pool."""
 
     def _init_transfer(self, role: str, backend: str, timeout_s: float) -> None:
-        runner = self.engine.runner
+        """The backend over the engine's KV pool: rank 0's pool in this process (the core in a thread), or the
+        core process's pool mapped here (core_process with share_kv_pool: CUDA IPC, or CPU shared memory)."""
         self.transfer_timeout_s = timeout_s
         name, page_size = f"{role}-{self.replica_id}", self.engine.config.page_size
         if self.engine.config.tensor_parallel_size > 1:  # one backend per rank, each over its own heads' pages
+            self.kv_slots = self.engine.runner.kv_pool.num_slots
             self.transfer = RankedTransfer(backend, name, self.engine, page_size)
         else:
-            self.transfer = make_backend(backend, name, kv_pool_buffers(runner.kv_pool), page_size)
+            rows = self.engine.kv_pool_rows()
+            self.kv_slots = rows.shape[0]
+            self.transfer = make_backend(backend, name, [rows], page_size)
 
     async def kv_info(self) -> Union[PeerInfo, RankedPeerInfo]:
         """This replica's transfer endpoint (PeerInfo; with tensor parallelism a RankedPeerInfo, one per rank)."""

@@ -21,7 +21,7 @@ class PrefillWorker(KVEndpoint, WorkerBase):
     ):
         WorkerBase.__init__(self, model, engine_options)
         self._init_transfer("prefill", kv_transfer, transfer_timeout_s)
-        self.started = StartedPrompts(self.engine, self.engine.runner.kv_pool.num_slots // 2, transfer_timeout_s)
+        self.started = StartedPrompts(self.engine, self.kv_slots // 2, transfer_timeout_s)
         """Prompts the ingress started here (early_prefill), at most half the KV pool's tokens."""
 
     def _role_counters(self) -> EarlyPrefillCounters:

@@ -291,6 +291,10 @@ class EngineCore:
             raise ProfileError("profiling is off: set profile_dir (servers: --profile-dir)")
         return self.profiler
 
+    def call_export_kv_pool(self) -> Any:
+        """The KV pool's KVPoolHandle (engine.memory.kv_pool), with which the front end's process maps it."""
+        return self.runner.kv_pool.export()
+
     def call_flush_cache(self) -> None:
         """Drop every unlocked cached prefix (for benchmarks)."""
         self.tree_cache.evict(self.tree_cache.evictable_size())

@@ -210,7 +210,15 @@ class ModelRunner:
         if self.tp is not None:  # slot indices must mean the same on every rank
             tokens = self.tp.agree_min(tokens)
         num_pages = tokens // ps + 1  # + the reserved page 0
-        self.kv_pool = KVPool(num_pages * ps, m.num_layers, m.num_kv_heads, m.head_dim, self.dtype, self.device)
+        self.kv_pool = KVPool(
+            num_pages * ps,
+            m.num_layers,
+            m.num_kv_heads,
+            m.head_dim,
+            self.dtype,
+            self.device,
+            shared=self.config.share_kv_pool,
+        )
         self.allocator = TokenToKVPoolAllocator(num_pages, ps)
         rows = self.config.max_running_requests + EXTRA_REQ_ROWS
         # Rank 0 of a tensor-parallel group records its table writes for the other ranks' copies.
@@ -441,8 +449,11 @@ class ModelRunner:
         return self.tp is not None and self.tp.processes is not None
 
     def close(self) -> None:
-        """Rank 0: stop the other ranks; every rank: leave the group. A no-op without tensor parallelism;
-        idempotent."""
+        """Rank 0: stop the other ranks; every rank: leave the group; a shared KV pool's segment is removed.
+        Idempotent."""
+        kv_pool = getattr(self, "kv_pool", None)
+        if kv_pool is not None:
+            kv_pool.close()
         tp, self.tp = self.tp, None
         if tp is None:
             return

@@ -65,6 +65,19 @@ def test_disaggregated_pools_share_the_tensor_parallel_size():
     assert args.engine_options()["tensor_parallel_size"] == 2
 
 
+def test_disaggregated_workers_run_their_core_in_a_process_only_when_asked():
+    """A disaggregated worker's core runs in its worker's process unless core_process=true is given; then its
+    pool is shared with the worker (its KV transfer maps it), and tensor parallelism is refused."""
+    default = ClusterArgs(mode="disaggregated").engine_options()
+    assert default["core_process"] is False and default["share_kv_pool"] is False
+    asked = ClusterArgs(mode="disaggregated", core_process=True).engine_options()
+    assert asked["core_process"] is True and asked["share_kv_pool"] is True
+    assert ClusterArgs(workers=1).engine_options()["core_process"] is True  # unified: the server's default
+    assert ClusterArgs(workers=1).engine_options()["share_kv_pool"] is False
+    with pytest.raises(ValidationError, match="tensor_parallel_size 1"):
+        ClusterArgs(mode="disaggregated", core_process=True, tensor_parallel_size=2)
+
+
 def test_builder_wires_three_deployments():
     app = deployment(ClusterArgs(workers=3, policy="prefix_hash", num_cpus=0.5, num_gpus=0))
     ingress = app._bound_deployment

@@ -212,6 +212,79 @@ def test_nixl_shared_worker_path_still_moves_pages():
         sender.close()
 
 
+def test_nixl_moves_pages_of_a_mapped_shared_pool():
+    """A disaggregated worker whose core runs in its own process registers the core's pool as mapped into the
+    worker (KVPool.export → map_kv_pool; on CPU a shared-memory segment mapped at another address): NIXL sends
+    from such a mapping the owner's pages, and what it receives into one is what the owner reads."""
+    from engine.memory.kv_pool import KVPool, map_kv_pool
+
+    owner = KVPool(16 * PAGE_SIZE, NUM_LAYERS, 2, 8, torch.float32, torch.device("cpu"), shared=True)
+    mapped = map_kv_pool(owner.export())
+    rows = mapped.slot_rows()
+    assert rows.data_ptr() != owner.slot_rows().data_ptr()
+    fill([owner.slot_rows()], seed=1)
+    backend = make_backend("nixl", "prefill-mapped", [rows], PAGE_SIZE)
+    peer = PeerProcess("nixl", "decode-mapped", 16)
+    try:
+        peer.call("connect", backend.info())
+        backend.connect(peer.call("info"))
+        src, dst, tid = [10, 11, 12, 2], [3, 4, 5, 6], _tid()
+        backend.wait_sync(backend.write("decode-mapped", src, dst, tid), 30.0)
+        assert peer.call("expect", "prefill-mapped", dst, tid, 30.0) == b""
+        _check_received(peer.call("buffers_cpu"), [owner.slot_rows()], src, dst)
+
+        # The other way: the peer writes into the mapping; the owner's tensor holds the pages.
+        peer.call("fill", 5)
+        want = peer.call("buffers_cpu")[0].view(-1, PAGE_SIZE, rows.shape[1])
+        owner.slot_rows().zero_()
+        src, dst, tid = [7, 8], [12, 1], _tid()
+        handle = backend.expect("decode-mapped", dst, tid)
+        peer.call("write", "prefill-mapped", src, dst, tid, 30.0)
+        backend.wait_sync(handle, 30.0)
+        got = owner.slot_rows().view(-1, PAGE_SIZE, rows.shape[1])
+        assert torch.equal(got[dst], want[src])
+    finally:
+        peer.close()
+        backend.close()
+        owner.close()
+
+
+@pytest.mark.gpu
+def test_nixl_moves_pages_of_a_cuda_pool_mapped_from_another_process():
+    """The GPU form of the mapped pool: the owner's CUDA pool (another process, as an engine core process) mapped
+    here through CUDA IPC, registered with NIXL, sends the owner's pages and receives into the owner's pool."""
+    from engine.memory.kv_pool import map_kv_pool
+
+    owner = PeerProcess("nixl", "owner-cuda", 16, device="cuda:0")
+    peer = PeerProcess("nixl", "decode-cuda", 16, device="cuda:0")
+    backend = None
+    try:
+        owner.call("fill", 2)
+        rows = map_kv_pool(owner.call("export")).slot_rows()
+        assert rows.is_cuda
+        backend = make_backend("nixl", "prefill-cuda-mapped", [rows], PAGE_SIZE)
+        peer.call("connect", backend.info())
+        backend.connect(peer.call("info"))
+        src, dst, tid = [10, 11, 12, 2], [3, 4, 5, 6], _tid()
+        backend.wait_sync(backend.write("decode-cuda", src, dst, tid), 30.0)
+        assert peer.call("expect", "prefill-cuda-mapped", dst, tid, 30.0) == b""
+        _check_received(peer.call("buffers_cpu"), owner.call("buffers_cpu"), src, dst)
+
+        peer.call("fill", 5)
+        want = peer.call("buffers_cpu")[0].view(-1, PAGE_SIZE, rows.shape[1])
+        src, dst, tid = [7, 8], [13, 1], _tid()
+        handle = backend.expect("decode-cuda", dst, tid)
+        peer.call("write", "prefill-cuda-mapped", src, dst, tid, 30.0)
+        backend.wait_sync(handle, 30.0)
+        got = owner.call("buffers_cpu")[0].view(-1, PAGE_SIZE, rows.shape[1])
+        assert torch.equal(got[dst], want[src])
+    finally:
+        if backend is not None:
+            backend.close()
+        peer.close()
+        owner.close()
+
+
 def test_nixl_moves_one_region_per_page_run_of_a_token_major_pool(nixl_pair):
     _, _, receiver = nixl_pair
     pool = make_pool(16)

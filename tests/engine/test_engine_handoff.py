@@ -94,6 +94,79 @@ def test_greedy_outputs_identical_to_unified(engines):
         assert_no_leak(e)
 
 
+def copy_rows(src_engine, dst_engine, src_pages, dst_pages) -> None:
+    """Copy whole KV pages through each engine's kv_pool_rows (the memory a KV transfer backend registers)."""
+    src, dst = src_engine.kv_pool_rows(), dst_engine.kv_pool_rows()
+    src_p, dst_p = src.view(-1, PAGE, src.shape[1]), dst.view(-1, PAGE, dst.shape[1])
+    dst_p[list(dst_pages)] = src_p[list(src_pages)]
+    if dst.is_cuda:  # the copy is this process's work: done before the receiver's core reads the pages
+        import torch
+
+        torch.cuda.synchronize(dst.device)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_cores_in_processes_hand_over_through_their_mapped_pools(engines, device):
+    """core_process + share_kv_pool: each core's pool is mapped into this process (CPU: a shared-memory
+    segment, CUDA: CUDA IPC), and pages copied through the mappings give the greedy tokens of one engine doing
+    both; CPU segments go with the engines."""
+    import os
+
+    unified = engines[0] if device == "cpu" else make_engine(page_size=PAGE, device=device)
+    prefill = make_engine(page_size=PAGE, device=device, core_process=True, share_kv_pool=True)
+    decode = make_engine(page_size=PAGE, device=device, core_process=True, share_kv_pool=True)
+    try:
+        params = dict(max_new_tokens=24, temperature=0.0)
+        want = unified.generate(PROMPTS, params)
+        rows = prefill.kv_pool_rows()
+        assert rows.shape[0] == prefill.stats().kv_total_tokens + PAGE  # + the reserved page 0
+        assert rows.device.type == device
+        segments = [e.core.call("export_kv_pool").shm_name for e in (prefill, decode)]
+        assert all(os.path.exists(f"/dev/shm/{name}") for name in segments) == (device == "cpu")
+
+        async def one(prompt, rid):
+            async def remote_prefill(reservation):
+                handoff = await prefill.prefill_for_handoff(prompt, params, rid=rid)
+                try:
+                    copy_rows(prefill, decode, handoff.pages_from(reservation.prefix_len), reservation.dst_pages)
+                finally:
+                    prefill.release_handoff(rid)
+                return handoff
+
+            tokens, text = [], ""
+            async for out in decode.generate_stream(prompt, params, rid=rid, remote_prefill=remote_prefill):
+                tokens += out.new_token_ids
+                text += out.text
+            return tokens, text
+
+        async def run_all():
+            return await asyncio.gather(*(one(p, f"pc{i}") for i, p in enumerate(PROMPTS)))
+
+        got = asyncio.run(run_all())
+        assert [g[0] for g in got] == [o.token_ids for o in want]
+        assert [g[1] for g in got] == [o.text for o in want]
+        for e in (prefill, decode):
+            wait_idle(e)
+            assert_no_leak(e)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+        if unified is not engines[0]:
+            unified.shutdown()
+    assert not any(name and os.path.exists(f"/dev/shm/{name}") for name in segments)
+
+
+def test_unshared_pool_in_a_core_process_is_refused():
+    """Without share_kv_pool a CPU pool in a core process cannot be mapped: a clear error, not a crash."""
+    engine = make_engine(page_size=PAGE, core_process=True)
+    try:
+        with pytest.raises(RuntimeError, match="share_kv_pool"):
+            engine.kv_pool_rows()
+        assert_no_leak(engine)
+    finally:
+        engine.shutdown()
+
+
 def test_seeded_sampling_and_logprobs_continue_identically(engines):
     unified, prefill, decode = engines
     params = dict(max_new_tokens=16, temperature=0.9, top_p=0.9, seed=1234, logprobs=True, top_logprobs=2)
