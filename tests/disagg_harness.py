@@ -11,6 +11,10 @@ soon). test_disaggregated.py runs first on the fresh cluster and leaves one repl
 tests settle each pool's size before they scale it.
 """
 
+import asyncio
+
+import httpx
+
 from cluster_harness import router_stats
 from pools_harness import ADMIN, ADMIN_KEY, API_KEY, USER  # noqa: F401 - USER is used by the test modules
 
@@ -65,3 +69,23 @@ def all_idle_and_clean(http) -> bool:
             if e["kv_free_tokens"] + e["kv_evictable_tokens"] != e["kv_total_tokens"]:
                 return False
     return True
+
+
+def completions_at_once(base_url: str, prompts: list, max_tokens: int) -> list:
+    """Greedy completions of every prompt, all sent at once (USER's key); their texts in prompt order."""
+
+    async def run() -> list:
+        async with httpx.AsyncClient(base_url=base_url, timeout=180, headers=USER) as client:
+            return await asyncio.gather(
+                *(
+                    client.post(
+                        "/v1/completions",
+                        json=dict(model=MODEL, prompt=p, max_tokens=max_tokens, temperature=0.0),
+                    )
+                    for p in prompts
+                )
+            )
+
+    rs = asyncio.run(run())
+    assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+    return [r.json()["choices"][0]["text"] for r in rs]

@@ -10,7 +10,6 @@ by its radix cache.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 
@@ -21,7 +20,7 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("nixl_cu13._api")
 
 from cluster_harness import SHARED_SERVE, wait_for  # noqa: E402
-from disagg_harness import MODEL, PAGE, USER, all_idle_and_clean, pools  # noqa: E402
+from disagg_harness import MODEL, PAGE, USER, all_idle_and_clean, completions_at_once, pools  # noqa: E402
 from disagg_harness import args as disagg_args  # noqa: E402
 from engine_harness import PROMPTS, make_engine  # noqa: E402
 
@@ -78,18 +77,7 @@ def test_each_worker_core_runs_in_a_process_of_its_own(http):
 
 
 def test_greedy_outputs_identical_to_a_local_engine_and_every_page_comes_back(http, reference):
-    async def all_at_once(prompts):
-        async with httpx.AsyncClient(base_url=str(http.base_url), timeout=180, headers=USER) as client:
-            rs = await asyncio.gather(
-                *(
-                    client.post("/v1/completions", json=dict(model=MODEL, prompt=p, max_tokens=TOKENS, temperature=0.0))
-                    for p in prompts
-                )
-            )
-        assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
-        return [r.json()["choices"][0]["text"] for r in rs]
-
-    assert asyncio.run(all_at_once(CASES[:2])) == reference[:2]
+    assert completions_at_once(str(http.base_url), CASES[:2], TOKENS) == reference[:2]
     assert _completion(http, CASES[2], stream=True) == reference[2]  # its prefix is cached on both sides
     assert _completion(http, CASES[1]) == reference[1]
     wait_for(lambda: all_idle_and_clean(http), 60, "every KV page free or cached on both replicas")

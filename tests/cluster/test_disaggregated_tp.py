@@ -22,7 +22,7 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("nixl_cu13._api")
 
 from cluster_harness import SHARED_SERVE, wait_for  # noqa: E402
-from disagg_harness import MODEL, PAGE, USER, all_idle_and_clean, pools  # noqa: E402
+from disagg_harness import MODEL, PAGE, USER, all_idle_and_clean, completions_at_once, pools  # noqa: E402
 from disagg_harness import args as disagg_args  # noqa: E402
 from engine_harness import PROMPTS, make_engine  # noqa: E402
 
@@ -66,19 +66,10 @@ def test_tp2_handoff_matches_unified_tp2_and_tp1_and_frees_every_page(http, refe
     tp2, tp1 = references
     assert tp2 == tp1
 
-    async def all_at_once(prompts):
-        async with httpx.AsyncClient(base_url=str(http.base_url), timeout=180, headers=USER) as client:
-            rs = await asyncio.gather(
-                *(
-                    client.post("/v1/completions", json=dict(model=MODEL, prompt=p, max_tokens=TOKENS, temperature=0.0))
-                    for p in prompts
-                )
-            )
-        assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
-        return [r.json()["choices"][0]["text"] for r in rs]
-
-    assert asyncio.run(all_at_once(CASES[:2])) == tp2[:2]
-    assert asyncio.run(all_at_once(CASES[2:])) == tp2[2:]  # after the first: its prefix is cached on both sides
+    base = str(http.base_url)
+    assert completions_at_once(base, CASES[:2], TOKENS) == tp2[:2]
+    # After the first: its prefix is cached on both sides.
+    assert completions_at_once(base, CASES[2:], TOKENS) == tp2[2:]
     by_pool = pools(http)
     assert {w["engine"]["tensor_parallel_size"] for ws in by_pool.values() for w in ws.values()} == {2.0}
     wait_for(lambda: all_idle_and_clean(http), 60, "every KV page free or cached on both replicas")
