@@ -340,12 +340,7 @@ def main() -> None:
     for dataset, counts in same.items():
         print(f"{dataset}: outputs identical to {base}'s: " + ", ".join(f"{n} {c}" for n, c in counts.items()))
     os.makedirs(bs.RESULTS, exist_ok=True)
-    out = args.out or os.path.join(
-        bs.RESULTS,
-        "cluster_"
-        + "-vs-".join(n.replace("=", "").replace(",", "_") for n in names)
-        + f"_kv{args.max_total_tokens}.json",
-    )
+    out = args.out or os.path.join(bs.RESULTS, default_file_name(names, args.max_total_tokens))
     with open(out, "w") as f:
         json.dump(
             {
@@ -360,6 +355,21 @@ def main() -> None:
             indent=1,
         )
     print(f"wrote {out}")
+
+
+MAX_FILE_NAME = 200
+"""Longest default result file name (file systems allow 255 bytes): longer ones are cut and get a hash."""
+
+
+def default_file_name(names: List[str], max_total_tokens: Optional[int]) -> str:
+    """cluster_<variant>-vs-<variant>..._kv<N>.json from the run names; when that is longer than
+    MAX_FILE_NAME, its start and a hash of the whole (so that other variant lists get other names)."""
+    stem = "cluster_" + "-vs-".join(n.replace("=", "").replace(",", "_").replace(" ", "") for n in names)
+    tail = f"_kv{max_total_tokens}.json"
+    if len(stem) + len(tail) <= MAX_FILE_NAME:
+        return stem + tail
+    digest = hashlib.sha1(stem.encode()).hexdigest()[:12]
+    return stem[: MAX_FILE_NAME - len(tail) - len(digest) - 1] + "-" + digest + tail
 
 
 if __name__ == "__main__":

@@ -138,6 +138,23 @@ def test_bench_cluster_names_repeated_variants_apart():
     ]
 
 
+def test_bench_cluster_default_file_name_fits_the_file_system():
+    """Four disaggregated variants made a default name of over 255 bytes (an OSError after the whole run): the
+    name is now cut to MAX_FILE_NAME with a hash of the whole, so other variant lists still get other names."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_cluster
+
+    assert bench_cluster.default_file_name(["policy=cache_aware", "policy=round_robin"], 3000) == (
+        "cluster_policycache_aware-vs-policyround_robin_kv3000.json"
+    )
+    pd = "mode=disaggregated,prefill_workers=1,decode_workers=1"
+    long = [pd, pd + ",core_process=True", pd + " #2", pd + ",core_process=True #2"]
+    name = bench_cluster.default_file_name(long, 8192)
+    assert len(name) <= bench_cluster.MAX_FILE_NAME and name.endswith("_kv8192.json") and " " not in name
+    assert name.startswith("cluster_modedisaggregated_prefill_workers1_decode_workers1-vs-")
+    assert bench_cluster.default_file_name(long[:3] + [pd + " #3"], 8192) != name
+
+
 def _sse_client(events):
     """An httpx.AsyncClient whose every POST answers these SSE events (dicts, then [DONE])."""
     import httpx
