@@ -27,6 +27,7 @@ that transfer (docs/disaggregation.md).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any, List, Optional, Tuple
@@ -70,11 +71,12 @@ def map_kv_pool(handle: KVPoolHandle) -> MappedKVPool:
     # Python before 3.13 registers an attached segment with this process's resource tracker, which would remove
     # it when this process exits: the owner removes it (KVPool.close), so this process forgets it.
     resource_tracker.unregister(segment._name, "shared_memory")  # noqa: SLF001 - the name the tracker knows
-    numel = 1
-    for dim in handle.shape:
-        numel *= dim
-    kv_data = torch.frombuffer(segment.buf, dtype=handle.dtype, count=numel).view(handle.shape)
-    return MappedKVPool(kv_data, segment)
+    return MappedKVPool(_tensor_in(segment, handle.shape, handle.dtype), segment)
+
+
+def _tensor_in(segment: shared_memory.SharedMemory, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of `shape` and `dtype` over the start of `segment`'s memory (no copy)."""
+    return torch.frombuffer(segment.buf, dtype=dtype, count=math.prod(shape)).view(shape)
 
 
 class KVPool:
@@ -99,12 +101,9 @@ class KVPool:
         shape = (num_slots, num_layers, 2, num_kv_heads, head_dim)
         self._segment: Optional[shared_memory.SharedMemory] = None
         if shared and torch.device(device).type == "cpu":
-            numel = num_slots * num_layers * 2 * num_kv_heads * head_dim
-            self._segment = shared_memory.SharedMemory(
-                create=True, size=numel * torch.empty((), dtype=dtype).element_size()
-            )
-            # A new segment reads as zeros, like torch.zeros.
-            self.kv_data = torch.frombuffer(self._segment.buf, dtype=dtype, count=numel).view(shape)
+            size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            self._segment = shared_memory.SharedMemory(create=True, size=size)
+            self.kv_data = _tensor_in(self._segment, shape, dtype)  # a new segment reads as zeros, like torch.zeros
         else:
             self.kv_data = torch.zeros(shape, dtype=dtype, device=device)
         """(num_slots, num_layers, 2, num_kv_heads, head_dim), contiguous: index 0 of dim 2 is K, 1 is V."""
