@@ -43,11 +43,19 @@ def graph_batch_sizes(max_bs: int) -> List[int]:
 
 class CudaGraphRunner:
     def __init__(
-        self, model, backend_for_bs: Callable[[int], Any], req_to_token_pool, max_bs: int, device: torch.device
+        self,
+        model,
+        backend_for_bs: Callable[[int], Any],
+        req_to_token_pool,
+        max_bs: int,
+        device: torch.device,
+        pdl_for_bs: Callable[[int], bool] = lambda bs: True,
     ):
         """`backend_for_bs(bs)`: the attention backend that decode steps of `bs` rows (padded) run; each
-        captured graph holds that backend's kernels (ModelRunner.decode_backend)."""
+        captured graph holds that backend's kernels (ModelRunner.decode_backend). `pdl_for_bs(bs)`: whether
+        the graph of `bs` rows launches its kernels with PDL, where PDL is on (ModelRunner.decode_uses_pdl)."""
         self.model = model
+        self.pdl_for_bs = pdl_for_bs
         self.device = device
         self.batch_sizes = graph_batch_sizes(max_bs)
         self.backends = {bs: backend_for_bs(bs) for bs in self.batch_sizes}
@@ -105,14 +113,17 @@ class CudaGraphRunner:
         return self.model.compute_logits(self.model(fb))
 
     def _capture(self, bs: int) -> None:
+        from kernels.triton import pdl  # noqa: PLC0415  (CUDA graphs are GPU-only)
+
         fb = self._static_batch(bs)
         fb.attn_backend.init_forward_metadata_capture(fb)
-        for _ in range(2):  # compile / autotune kernels outside the capture
-            self._forward(fb)
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self._forward(fb)
+        with pdl.suspended(not self.pdl_for_bs(bs)):
+            for _ in range(2):  # compile / autotune kernels outside the capture
+                self._forward(fb)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self._forward(fb)
         self.pool = graph.pool()
         self.graphs[bs], self.logits[bs], self.batches[bs] = graph, out, fb
 

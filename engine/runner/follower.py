@@ -61,11 +61,12 @@ def run_step(runner: ModelRunner, step: StepInputs) -> None:
         graphs.replay(fb)
         return
     fb.attn_backend.init_forward_metadata(fb)
-    hidden = runner.model(fb)
-    for start, n in step.logit_segments:
-        runner.model.compute_logits(hidden[start : start + n])
-    if step.num_sampled:
-        runner.model.compute_logits(hidden[fb.last_token_rows[: step.num_sampled]])
+    with runner.pdl_scope(fb):
+        hidden = runner.model(fb)
+        for start, n in step.logit_segments:
+            runner.model.compute_logits(hidden[start : start + n])
+        if step.num_sampled:
+            runner.model.compute_logits(hidden[fb.last_token_rows[: step.num_sampled]])
 
 
 def main() -> None:

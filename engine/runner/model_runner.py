@@ -20,8 +20,9 @@ KV pool has the same slots. The ranks agree on the pool's size (the smallest any
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 
@@ -283,7 +284,7 @@ class ModelRunner:
 
             max_bs = self.config.cuda_graph_max_bs or min(self.config.max_running_requests, 256)
             self.graph_runner = CudaGraphRunner(
-                self.model, self.decode_backend, self.req_to_token_pool, max_bs, self.device
+                self.model, self.decode_backend, self.req_to_token_pool, max_bs, self.device, self.decode_uses_pdl
             )
 
         self.piecewise_runner = None
@@ -306,6 +307,24 @@ class ModelRunner:
         if self.triton_decode_backend is not None and padded <= self.config.triton_decode_max_bs:
             return self.triton_decode_backend
         return self.attn_backend
+
+    def decode_uses_pdl(self, batch_size: int) -> bool:
+        """Whether a DECODE step of `batch_size` requests launches its Triton kernels with PDL (where PDL is
+        on at all): exactly where its matmuls run our GEMV kernels (the batch rounded up to its CUDA graph's
+        power of two is at most `gemv_max_rows`, and `disable_gemv` is off), which fetch their first weight
+        tile before waiting for the kernel before them. Other steps multiply with cuBLAS GEMMs, and there
+        PDL's early launches cost time (kernels/triton/pdl.py; `bench_decode.py --disable-pdl`)."""
+        padded = 1 << max(batch_size - 1, 0).bit_length()
+        return not self.config.disable_gemv and padded <= self.config.gemv_max_rows
+
+    def pdl_scope(self, fb) -> ContextManager[None]:
+        """Around the launches of ForwardBatch `fb`'s forward: suspends PDL for a DECODE step that
+        `decode_uses_pdl` keeps without it; a no-op for every other step and off CUDA."""
+        if self.device.type != "cuda" or fb.forward_mode is not ForwardMode.DECODE:
+            return contextlib.nullcontext()
+        from kernels.triton import pdl  # noqa: PLC0415  (GPU path only)
+
+        return pdl.suspended(not self.decode_uses_pdl(fb.batch_size))
 
     def backend_for(self, fb) -> object:
         """The attention backend that runs ForwardBatch `fb` (prefill and mixed steps: the main one)."""
@@ -356,11 +375,13 @@ class ModelRunner:
             rows = self._prompt_logprob_rows(batch) if fb.forward_mode is ForwardMode.EXTEND else []
             if self.tp is not None:
                 self._send_step(fb, rows, len(reqs))
-            hidden = self.forward_hidden(fb)
+            with self.pdl_scope(fb):
+                hidden = self.forward_hidden(fb)
             prompt_logprobs = self._prompt_logprobs(batch, hidden, rows) if rows else {}
             if not reqs:
                 return LaunchedBatch.empty(self.device, prompt_logprobs)
-            logits = self.model.compute_logits(hidden[fb.last_token_rows[: len(reqs)]])
+            with self.pdl_scope(fb):
+                logits = self.model.compute_logits(hidden[fb.last_token_rows[: len(reqs)]])
         info = SamplingBatchInfo.build(
             [r.sampling_params for r in reqs],
             seeds=[r.seed for r in reqs],

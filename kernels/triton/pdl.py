@@ -11,18 +11,25 @@ and, when it is set, calls `gdc_wait()` before its first load of an input writte
 before its first store. Loads of memory no kernel writes (weights) may come before the wait. The wait covers
 the whole chain: the previous kernel itself waited for its own predecessor before finishing.
 
-Off (plain launches, `USE_PDL=False`) on CPU, under Triton's interpreter, on GPUs before Hopper, or when
-`set_enabled(False)` (EngineConfig.disable_pdl).
+Off (plain launches, `USE_PDL=False`) on CPU, under Triton's interpreter, on GPUs before Hopper, when
+`set_enabled(False)` (EngineConfig.disable_pdl), and for the launches a thread makes inside `suspended()`:
+the engine's decode steps whose matmuls are cuBLAS GEMMs (ModelRunner.decode_uses_pdl). There a kernel that
+PDL launches early holds SM slots, waiting, while the GEMM before it still needs them. A kernel compiles
+once per USE_PDL value, so both variants are built while the engine captures its CUDA graphs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
+from typing import Iterator
 
 import torch
 
 _enabled = True
+_local = threading.local()  # .off: this thread is inside suspended()
 
 
 def set_enabled(on: bool) -> None:
@@ -38,9 +45,20 @@ def _supported(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
+@contextlib.contextmanager
+def suspended(on: bool = True) -> Iterator[None]:
+    """While open (and `on`), the kernels this thread launches run without PDL; nests, restores on exit."""
+    before = getattr(_local, "off", False)
+    _local.off = before or on
+    try:
+        yield
+    finally:
+        _local.off = before
+
+
 def enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` are launched with PDL."""
-    if not _enabled or device.type != "cuda":
+    """Whether kernels on `device` are launched with PDL (by this thread, now)."""
+    if not _enabled or getattr(_local, "off", False) or device.type != "cuda":
         return False
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
 

@@ -335,8 +335,9 @@ def test_gpu_planning_copies_do_not_synchronize():
 def test_gpu_pdl_does_not_change_greedy_outputs(backend):
     """bf16, CUDA graphs on, the GEMV path for batch-1 steps: with programmatic dependent launch each of our
     kernels starts before its predecessor ends and must wait before reading; a missing wait would read stale
-    activations. PDL on and off must give identical tokens, one prompt at a time (batch 1: the GEMV path)
-    and all prompts together."""
+    activations. PDL on and off must give identical tokens, one prompt at a time (batch 1: the GEMV path),
+    all prompts together, and in a batch of more than gemv_max_rows, whose decode graphs the engine captures
+    without PDL (ModelRunner.decode_uses_pdl) after the smaller ones' with it."""
     if backend == "flashinfer":
         pytest.importorskip("flashinfer")
     params = dict(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True)
@@ -347,7 +348,8 @@ def test_gpu_pdl_does_not_change_greedy_outputs(backend):
             assert engine.runner.graph_runner is not None
             alone = [engine.generate(p, params).token_ids for p in PROMPTS[:3]]
             together = [o.token_ids for o in engine.generate(PROMPTS, params)]
-            runs[disable_pdl] = (alone, together)
+            wide = [o.token_ids for o in engine.generate(PROMPTS * 3, params)]
+            runs[disable_pdl] = (alone, together, wide)
         finally:
             engine.shutdown()
             gc.collect()
