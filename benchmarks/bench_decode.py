@@ -404,6 +404,7 @@ def main() -> None:
                     fraction_of_roofline=roof_ms / step_ms,
                     gpu_fraction_of_roofline=roof_ms / gpu_ms,
                     tokens_per_s=bs / step_ms * 1e3,
+                    pdl=not args.disable_pdl and bench.runner.decode_uses_pdl(bs),
                 )
             )
     if args.profile:
@@ -429,7 +430,7 @@ def main() -> None:
         f"{hw.get('gpu')}; attention {backend_name} (Triton decode up to batch {args.triton_decode_max_bs}), "
         f"CUDA graphs {'on' if graphs_on else 'off'}, GEMV "
         f"{'off' if args.disable_gemv else f'up to {args.gemv_max_rows} rows'}, "
-        f"PDL {'off' if args.disable_pdl else 'on'}; copy bandwidth "
+        f"PDL {'off' if args.disable_pdl else 'in the steps of the GEMV kernels (column pdl)'}; copy bandwidth "
         f"{bandwidth / 1e9:.0f} GB/s"
     )
     cols = [
@@ -440,6 +441,7 @@ def main() -> None:
         "fraction_of_roofline",
         "gpu_fraction_of_roofline",
         "tokens_per_s",
+        "pdl",
     ]
     print("".join(f"{c:>26}" for c in cols))
     for r in rows:

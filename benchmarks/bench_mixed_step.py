@@ -55,6 +55,7 @@ class MixedStepBench:
         dtype: str = "bfloat16",
         piecewise: bool = True,
         piecewise_max_tokens: int = 512,
+        disable_pdl: bool = False,
     ):
         import torch
 
@@ -74,6 +75,7 @@ class MixedStepBench:
             context_length=max(context_len + 64, prompt_len, 2048),
             enable_piecewise_cuda_graph=piecewise,
             piecewise_cuda_graph_max_tokens=piecewise_max_tokens,
+            disable_pdl=disable_pdl,
         )
         self.runner = runner = ModelRunner(config, resolve_model(model_dir))
         self.decoding = [self._request(context_len + 1) for _ in range(max_decodes)]
@@ -229,6 +231,9 @@ def main() -> None:
         "(torch.profiler; with PDL on a kernel's time includes its wait for the one before) and Python "
         "functions by host time (cProfile)",
     )
+    p.add_argument(
+        "--disable-pdl", action="store_true", help="EngineConfig.disable_pdl: no programmatic dependent launch"
+    )
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/mixed-step_<model>_<gpu>.json)")
     args = p.parse_args()
 
@@ -256,6 +261,7 @@ def main() -> None:
         args.prompt_len,
         piecewise=args.piecewise_cuda_graph,
         piecewise_max_tokens=args.piecewise_cuda_graph_max_tokens,
+        disable_pdl=args.disable_pdl,
     )
     rows: List[Dict] = []
     with torch.inference_mode():
@@ -282,6 +288,8 @@ def main() -> None:
         and args.piecewise_cuda_graph_max_tokens != ENGINE_DEFAULTS.piecewise_cuda_graph_max_tokens
     ):
         suffix += f"_piecewise-{args.piecewise_cuda_graph_max_tokens}"
+    if args.disable_pdl:
+        suffix += "_no-pdl"
     path = result_path(args.out, f"mixed-step_{model}{suffix}", hw)
     record = dict(
         benchmark="mixed_step",
@@ -293,6 +301,7 @@ def main() -> None:
             steps=args.steps,
             piecewise_cuda_graph=args.piecewise_cuda_graph,
             piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
+            pdl=not args.disable_pdl,
         ),
         rows=rows,
     )
