@@ -299,8 +299,8 @@ class ModelRunner:
     def decode_backend(self, batch_size: int):
         """The attention backend of a DECODE step of `batch_size` requests: the Triton backend up to
         `triton_decode_max_bs` requests when the main backend is FlashInfer (Triton's decode kernels read the
-        KV pool faster than FlashInfer's, need no host-side plan per step, and wait for their predecessor
-        through PDL like the GEMV kernels, so no kernel boundary of the step drains the GPU), the main backend
+        KV pool faster than FlashInfer's, need no host-side plan per step, and in the GEMV kernels' steps wait
+        for their predecessor through PDL, so no kernel boundary of such a step drains the GPU), the main backend
         otherwise. Decided on the power of two at or above `batch_size`, the CUDA graph a step of that size
         replays, so a step runs the same kernels with graphs on and off."""
         padded = 1 << max(batch_size - 1, 0).bit_length()
