@@ -303,8 +303,7 @@ class ModelRunner:
         for their predecessor through PDL, so no kernel boundary of such a step drains the GPU), the main backend
         otherwise. Decided on the power of two at or above `batch_size`, the CUDA graph a step of that size
         replays, so a step runs the same kernels with graphs on and off."""
-        padded = 1 << max(batch_size - 1, 0).bit_length()
-        if self.triton_decode_backend is not None and padded <= self.config.triton_decode_max_bs:
+        if self.triton_decode_backend is not None and graph_batch_size(batch_size) <= self.config.triton_decode_max_bs:
             return self.triton_decode_backend
         return self.attn_backend
 
@@ -314,8 +313,7 @@ class ModelRunner:
         power of two is at most `gemv_max_rows`, and `disable_gemv` is off), which fetch their first weight
         tile before waiting for the kernel before them. Other steps multiply with cuBLAS GEMMs, and there
         PDL's early launches cost time (kernels/triton/pdl.py; `bench_decode.py --disable-pdl`)."""
-        padded = 1 << max(batch_size - 1, 0).bit_length()
-        return not self.config.disable_gemv and padded <= self.config.gemv_max_rows
+        return not self.config.disable_gemv and graph_batch_size(batch_size) <= self.config.gemv_max_rows
 
     def pdl_scope(self, fb) -> ContextManager[None]:
         """Around the launches of ForwardBatch `fb`'s forward: suspends PDL for a DECODE step that
@@ -377,10 +375,9 @@ class ModelRunner:
                 self._send_step(fb, rows, len(reqs))
             with self.pdl_scope(fb):
                 hidden = self.forward_hidden(fb)
-            prompt_logprobs = self._prompt_logprobs(batch, hidden, rows) if rows else {}
-            if not reqs:
-                return LaunchedBatch.empty(self.device, prompt_logprobs)
-            with self.pdl_scope(fb):
+                prompt_logprobs = self._prompt_logprobs(batch, hidden, rows) if rows else {}
+                if not reqs:
+                    return LaunchedBatch.empty(self.device, prompt_logprobs)
                 logits = self.model.compute_logits(hidden[fb.last_token_rows[: len(reqs)]])
         info = SamplingBatchInfo.build(
             [r.sampling_params for r in reqs],
@@ -489,6 +486,12 @@ class ModelRunner:
                     logger.warning("tensor-parallel ranks did not stop cleanly: killing them", exc_info=True)
             tp.processes.kill()
         tp.close()
+
+
+def graph_batch_size(batch_size: int) -> int:
+    """The power of two at or above `batch_size`: the CUDA graph a DECODE step of that size replays, on which
+    its kernel choices are decided so that a step runs the same kernels with graphs on and off."""
+    return 1 << max(batch_size - 1, 0).bit_length()
 
 
 def _step_kind(batch) -> str:
