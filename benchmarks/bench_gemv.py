@@ -1,10 +1,13 @@
-"""Few-row matmuls of a small-batch decode step: radixserve's GEMV kernels against cuBLAS, in the same run.
+"""Few-row matmuls of a decode step: radixserve's GEMV kernels and torch's two cuBLAS paths, in the same run.
 
 For every weight shape of one decoder layer and the lm_head of a config (--config), times y = x @ W^T with
-x of M rows (--rows, default 1: a batch-1 step; up to kernels.triton.gemv.MAX_ROWS), three ways:
+x of M rows (--rows, default 1: a batch-1 step; up to MAX_MEDIUM_ROWS), in the ways that apply to M:
 
-  cublas     F.linear (cuBLAS picks its kernel, split-K included)
-  gemv       kernels/triton/gemv.py (one row: _gemv_kernel, more: _rows_kernel), plain launches
+  cublas     F.linear on torch's default BLAS path (cuBLAS picks its kernel, split-K included)
+  cublaslt   F.linear on torch's cuBLASLt path (engine.models.layers.linear_cublaslt: what the engine runs
+             for products of more rows than the GEMV kernels take, up to EngineConfig.cublaslt_max_rows)
+  gemv       kernels/triton/gemv.py (one row: _gemv_kernel, more: _rows_kernel), plain launches; M up to
+             kernels.triton.gemv.MAX_ROWS
   gemv+pdl   the same with programmatic dependent launch (Hopper and later)
 
 Each variant runs as a CUDA graph of --calls back-to-back products over rotating copies of the weight
@@ -17,6 +20,7 @@ on and off; the grid's kernels are compiled first by --jobs processes.
   python benchmarks/bench_gemv.py --config benchmarks/configs/llama-3.1-8b.json [--rows 1 2 4 8 16] [--sweep]
       [--tensor-parallel-size 2]   (one rank's share of each weight)
   python benchmarks/bench_gemv.py --rows 8 --sweep --jobs 15 --weights qkv o
+  python benchmarks/bench_gemv.py --rows 32 64        (medium decode batches: the two cuBLAS paths)
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ from typing import Callable, Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+MAX_MEDIUM_ROWS = 256
+"""The most rows --rows takes: the decode batches up to the engine's largest default CUDA graph."""
 
 
 def decode_shapes(cfg: Dict, tp: int = 1) -> Dict[str, tuple]:
@@ -156,7 +163,13 @@ def main() -> None:
     )
     p.add_argument("--calls", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--rows", type=int, nargs="+", default=[1], help="rows of x (batch sizes), 1 to MAX_ROWS")
+    p.add_argument(
+        "--rows",
+        type=int,
+        nargs="+",
+        default=[1],
+        help=f"rows of x (batch sizes), 1 to {MAX_MEDIUM_ROWS}; the GEMV kernels and --sweep up to their MAX_ROWS",
+    )
     p.add_argument("--sweep", action="store_true", help="also time a grid of tile shapes per weight and M")
     p.add_argument("--weights", nargs="+", default=None, help="only these weights (qkv o gate_up down lm_head)")
     p.add_argument("--jobs", type=int, default=8, help="--sweep: processes that compile the grid's kernels first")
@@ -175,10 +188,13 @@ def main() -> None:
     from bench_offline import hardware, result_path
 
     from kernels.triton import pdl
+    from engine.models.layers import linear_cublaslt
     from kernels.triton.gemv import MAX_ROWS, gemv, pick_config, pick_rows_config
 
-    if not all(1 <= m <= MAX_ROWS for m in args.rows):
-        sys.exit(f"--rows: 1 to {MAX_ROWS}")
+    if not all(1 <= m <= MAX_MEDIUM_ROWS for m in args.rows):
+        sys.exit(f"--rows: 1 to {MAX_MEDIUM_ROWS}")
+    if args.sweep and max(args.rows) > MAX_ROWS:
+        sys.exit(f"--sweep times the GEMV kernels' tiles: --rows 1 to {MAX_ROWS}")
 
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
@@ -208,18 +224,26 @@ def main() -> None:
 
         for m in args.rows:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-            config = pick_config(n, k, torch.bfloat16) if m == 1 else pick_rows_config(n, k, torch.bfloat16)
-            row = dict(name=name, m=m, n=n, k=k, weight_mib=nbytes / 2**20, config=config._asdict())
-            for label, fn, pdl_on in (
+            row = dict(name=name, m=m, n=n, k=k, weight_mib=nbytes / 2**20)
+            variants = [
                 ("cublas", lambda w, x=x: F.linear(x, w), True),
-                ("gemv", lambda w, x=x: gemv(x, w), False),
-                ("gemv+pdl", lambda w, x=x: gemv(x, w), True),
-            ):
+                ("cublaslt", lambda w, x=x: linear_cublaslt(x, w), True),
+            ]
+            if m <= MAX_ROWS:
+                config = pick_config(n, k, torch.bfloat16) if m == 1 else pick_rows_config(n, k, torch.bfloat16)
+                row["config"] = config._asdict()
+                variants += [
+                    ("gemv", lambda w, x=x: gemv(x, w), False),
+                    ("gemv+pdl", lambda w, x=x: gemv(x, w), True),
+                ]
+            for label, fn, pdl_on in variants:
                 sec = run(fn, pdl_on)
                 row[f"{label}_us"] = sec * 1e6
                 row[f"{label}_of_copy_bw"] = nbytes / sec / bandwidth
-            y = gemv(x, ws[0])
-            row["max_abs_diff_vs_cublas"] = float((y.float() - F.linear(x, ws[0]).float()).abs().max())
+            reference = F.linear(x, ws[0]).float()
+            row["cublaslt_max_abs_diff_vs_cublas"] = float((linear_cublaslt(x, ws[0]).float() - reference).abs().max())
+            if m <= MAX_ROWS:
+                row["max_abs_diff_vs_cublas"] = float((gemv(x, ws[0]).float() - reference).abs().max())
             rows.append(row)
             if args.sweep:
                 grid = []
@@ -246,19 +270,21 @@ def main() -> None:
 
     hw = hardware()
     print(
-        f"\nfew-row matmuls, bf16, {os.path.basename(args.config)}; {hw.get('gpu')}; copy bandwidth "
+        f"\ndecode-step matmuls, bf16, {os.path.basename(args.config)}; {hw.get('gpu')}; copy bandwidth "
         f"{bandwidth / 1e9:.0f} GB/s; {args.calls} products per CUDA graph, best of {args.repeats}"
     )
+    labels = ("cublas", "cublaslt", "gemv", "gemv+pdl")
     print(
-        f"{'weight':>10}{'M':>4}{'N x K':>16}{'MiB':>8}{'cublas us':>11}{'gemv us':>10}{'+pdl us':>10}"
-        f"{'cublas':>9}{'gemv':>8}{'+pdl':>8}"
+        f"{'weight':>10}{'M':>4}{'N x K':>16}{'MiB':>8}"
+        + "".join(f"{label + ' us':>13}" for label in labels)
+        + "".join(f"{label:>10}" for label in labels)
     )
     for r in rows:
-        print(
-            f"{r['name']:>10}{r['m']:>4}{str(r['n']) + ' x ' + str(r['k']):>16}{r['weight_mib']:>8.1f}"
-            f"{r['cublas_us']:>11.1f}{r['gemv_us']:>10.1f}{r['gemv+pdl_us']:>10.1f}{r['cublas_of_copy_bw']:>9.0%}"
-            f"{r['gemv_of_copy_bw']:>8.0%}{r['gemv+pdl_of_copy_bw']:>8.0%}"
+        us = "".join(f"{r[label + '_us']:>13.1f}" if label + "_us" in r else f"{'-':>13}" for label in labels)
+        bw = "".join(
+            f"{r[label + '_of_copy_bw']:>10.0%}" if label + "_of_copy_bw" in r else f"{'-':>10}" for label in labels
         )
+        print(f"{r['name']:>10}{r['m']:>4}{str(r['n']) + ' x ' + str(r['k']):>16}{r['weight_mib']:>8.1f}{us}{bw}")
     model = os.path.splitext(os.path.basename(args.config))[0]
     tp = f"_tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
     out = result_path(args.out, f"gemv_{model}{tp}", hw)
