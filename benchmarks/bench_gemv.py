@@ -187,8 +187,8 @@ def main() -> None:
     from bench_decode import copy_bandwidth
     from bench_offline import hardware, result_path
 
-    from kernels.triton import pdl
     from engine.models.layers import linear_cublaslt
+    from kernels.triton import pdl
     from kernels.triton.gemv import MAX_ROWS, gemv, pick_config, pick_rows_config
 
     if not all(1 <= m <= MAX_MEDIUM_ROWS for m in args.rows):
@@ -224,7 +224,9 @@ def main() -> None:
 
         for m in args.rows:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            reference = F.linear(x, ws[0]).float()
             row = dict(name=name, m=m, n=n, k=k, weight_mib=nbytes / 2**20)
+            row["cublaslt_max_abs_diff_vs_cublas"] = float((linear_cublaslt(x, ws[0]).float() - reference).abs().max())
             variants = [
                 ("cublas", lambda w, x=x: F.linear(x, w), True),
                 ("cublaslt", lambda w, x=x: linear_cublaslt(x, w), True),
@@ -232,6 +234,7 @@ def main() -> None:
             if m <= MAX_ROWS:
                 config = pick_config(n, k, torch.bfloat16) if m == 1 else pick_rows_config(n, k, torch.bfloat16)
                 row["config"] = config._asdict()
+                row["max_abs_diff_vs_cublas"] = float((gemv(x, ws[0]).float() - reference).abs().max())
                 variants += [
                     ("gemv", lambda w, x=x: gemv(x, w), False),
                     ("gemv+pdl", lambda w, x=x: gemv(x, w), True),
@@ -240,10 +243,6 @@ def main() -> None:
                 sec = run(fn, pdl_on)
                 row[f"{label}_us"] = sec * 1e6
                 row[f"{label}_of_copy_bw"] = nbytes / sec / bandwidth
-            reference = F.linear(x, ws[0]).float()
-            row["cublaslt_max_abs_diff_vs_cublas"] = float((linear_cublaslt(x, ws[0]).float() - reference).abs().max())
-            if m <= MAX_ROWS:
-                row["max_abs_diff_vs_cublas"] = float((gemv(x, ws[0]).float() - reference).abs().max())
             rows.append(row)
             if args.sweep:
                 grid = []
