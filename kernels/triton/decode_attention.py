@@ -14,6 +14,11 @@ positions; the programs of the others return at once and write nothing.
 Stage 2, grid (bs, H): merges those non-empty splits, out = sum_s 2^(lse_s - lse) * o_s. A CUDA graph fixes
 num_splits for every context length, so a short context leaves most splits empty: neither stage pays for them.
 
+With one split (large batches: `pick_num_kv_splits`) the whole context is one chunk, and stage 1 writes its
+normalized output straight to `out`, rounded once to out's dtype; stage 2 is not launched. Merging a single
+split is exact (weight 2^0 = 1, sum of weights 1), so the output is the same bits either way. The choice is a
+runtime branch on num_splits, not a constexpr: one compiled kernel serves every split count.
+
 A batch of 1 on a long context thus runs Hkv * num_splits programs instead of Hkv; `pick_num_kv_splits`
 chooses num_splits so the whole GPU is busy. Logits and softmax statistics are float32; P @ V runs in the
 KV dtype with float32 accumulation.
@@ -91,6 +96,7 @@ def _decode_stage1(
     Seq_lens,
     Mid_o,
     Mid_lse,
+    O,
     stride_qt,
     stride_qh,
     stride_kbs,
@@ -103,6 +109,8 @@ def _decode_stage1(
     stride_mo_s,
     stride_ml_b,
     stride_ml_h,
+    stride_ot,
+    stride_oh,
     qk_scale,
     num_splits,
     G: tl.constexpr,
@@ -159,13 +167,20 @@ def _decode_stage1(
         m_i = m_new
 
     out = acc / l_i[:, None]  # every chunk here holds >= 1 position: l_i >= 1
-    lse = m_i + tl.log2(l_i)
-    tl.store(
-        Mid_o + b * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s + offs_d[None, :],
-        out,
-        mask=mask_h[:, None] & mask_d[None, :],
-    )
-    tl.store(Mid_lse + b * stride_ml_b + heads * stride_ml_h + split, lse, mask=mask_h)
+    if num_splits == 1:  # the whole context: the output itself (what stage 2 would make of one split)
+        tl.store(
+            O + b * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(O.dtype.element_ty),
+            mask=mask_h[:, None] & mask_d[None, :],
+        )
+    else:
+        lse = m_i + tl.log2(l_i)
+        tl.store(
+            Mid_o + b * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s + offs_d[None, :],
+            out,
+            mask=mask_h[:, None] & mask_d[None, :],
+        )
+        tl.store(Mid_lse + b * stride_ml_b + heads * stride_ml_h + split, lse, mask=mask_h)
 
 
 @triton.jit(do_not_specialize=_SPLIT_ARGS, do_not_specialize_on_alignment=BATCH_VIEW_ARGS)
@@ -271,6 +286,7 @@ def decode_attention(
         seq_lens,
         mid_o,
         mid_lse,
+        out,
         q.stride(0),
         q.stride(1),
         k_buf.stride(0),
@@ -283,6 +299,8 @@ def decode_attention(
         mid_o.stride(2),
         mid_lse.stride(0),
         mid_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
         scale * _LOG2E,
         num_splits,
         G=group,
@@ -295,6 +313,8 @@ def decode_attention(
         num_stages=config.num_stages,
         **pdl.launch_args(q.device),
     )
+    if num_splits == 1:
+        return out  # stage 1 wrote it
     _decode_stage2[(bs, num_heads)](
         mid_o,
         mid_lse,

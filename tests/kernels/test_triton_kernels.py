@@ -146,6 +146,26 @@ def test_decode_skips_empty_splits_bit_for_bit():
     torch.testing.assert_close(wide, ref, atol=ATOL[torch.float32], rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_one_split_writes_the_merged_output_bit_for_bit(dtype):
+    """One split: stage 1 writes the output itself and leaves the split scratch alone (no stage 2). It is
+    bit-identical to stage 2's merge of one split: contexts of at most one block (32 positions in float32,
+    64 in bf16) leave a two-split launch a single non-empty split, which stage 2 merges."""
+    lens = [1, 17, 32]
+    p = Paged(lens, 2, 64, dtype)
+    q = p.randn(3, 8, 64, dtype=dtype)
+    args = (p.req_to_token, p.rows, p.seq_lens, 64**-0.5)
+    mid_o, mid_lse = alloc_decode_scratch(3, 8, 64, 1, DEVICE)
+    mid_o.fill_(7.0)
+    mid_lse.fill_(7.0)
+    one = decode_attention(q, p.k_buf, p.v_buf, torch.full_like(q, float("nan")), *args, 1, mid_o, mid_lse)
+    assert torch.all(mid_o == 7.0) and torch.all(mid_lse == 7.0)
+    merged = decode_attention(q, p.k_buf, p.v_buf, torch.full_like(q, float("nan")), *args, 2)
+    assert torch.equal(one, merged)
+    ref = decode_attention_reference(q, p.k_buf, p.v_buf, *args)
+    torch.testing.assert_close(one.float(), ref.float(), atol=ATOL[dtype], rtol=0)
+
+
 def test_num_kv_splits_heuristic():
     assert pick_num_kv_splits(1, 8, 1, DEVICE) == 1  # nothing to split
     assert pick_num_kv_splits(1, 8, 4096, DEVICE) > 1  # batch 1, long context: split
