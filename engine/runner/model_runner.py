@@ -40,7 +40,7 @@ from engine.parallel.shard import check_heads
 from engine.runner.batch_result import BatchResult, LaunchedBatch
 from engine.runner.device_clock import DeviceClock
 from engine.runner.sampler import Sampler, SamplingBatchInfo
-from kernels.attention.base import get_backend_class
+from kernels.attention.base import get_backend_class, graph_batch_size
 
 if TYPE_CHECKING:  # pragma: no cover
     from engine.parallel.group import TPGroup
@@ -486,12 +486,6 @@ class ModelRunner:
                     logger.warning("tensor-parallel ranks did not stop cleanly: killing them", exc_info=True)
             tp.processes.kill()
         tp.close()
-
-
-def graph_batch_size(batch_size: int) -> int:
-    """The power of two at or above `batch_size`: the CUDA graph a DECODE step of that size replays, on which
-    its kernel choices are decided so that a step runs the same kernels with graphs on and off."""
-    return 1 << max(batch_size - 1, 0).bit_length()
 
 
 def _step_kind(batch) -> str:

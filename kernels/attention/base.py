@@ -21,6 +21,13 @@ from typing import Callable, Dict, List, Protocol
 import torch
 
 
+def graph_batch_size(batch_size: int) -> int:
+    """The power of two at or above `batch_size`: the CUDA graph a DECODE step of that size replays. Choices
+    made per step (kernels, split counts) are decided on it, so a step runs the same kernels, and rounds the
+    same way, with CUDA graphs on and off."""
+    return 1 << max(batch_size - 1, 0).bit_length()
+
+
 class KVPoolLike(Protocol):
     num_layers: int
 

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from kernels.attention.base import AttentionBackend, ForwardBatchLike
+from kernels.attention.base import AttentionBackend, ForwardBatchLike, graph_batch_size
 
 
 @dataclass
@@ -44,7 +44,10 @@ def plan_decode(
     num_splits: Optional[int] = None,
 ) -> DecodeMeta:
     """Split count (`num_splits`, else the heuristic's for `split_bs` requests of at most `max_len` tokens)
-    and scratch for a decode of `bs` requests."""
+    and scratch for a decode of `bs` requests. Decode steps pass their graph_batch_size as `split_bs`, so a
+    batch is split the same way with CUDA graphs on and off (a split count above what a context needs leaves
+    the extra splits empty, which changes no sum); a mixed step's decode rows, never replayed from a graph,
+    pass their count."""
     from kernels.triton import decode_attention as dec
 
     splits = num_splits or dec.pick_num_kv_splits(split_bs, num_kv_heads, max_len, device)
@@ -97,7 +100,7 @@ class TritonAttnBackend(AttentionBackend):
             bs = batch.batch_size
             max_len = max(batch.seq_lens_cpu) if bs else 0
             args = (self.num_heads, self.num_kv_heads, self.head_dim, max_len, self.req_to_token.device)
-            self._decode = plan_decode(bs, _bucket(bs), *args, num_splits=self.num_kv_splits)
+            self._decode = plan_decode(bs, graph_batch_size(bs), *args, num_splits=self.num_kv_splits)
         else:
             self._extend = _ExtendMeta(max(batch.extend_seq_lens_cpu) if batch.batch_size else 0)
         self._meta_batch = batch
@@ -110,7 +113,7 @@ class TritonAttnBackend(AttentionBackend):
         bs = batch.batch_size
         args = (self.num_heads, self.num_kv_heads, self.head_dim, 1 << 30, self.req_to_token.device)
         self._graph_meta = getattr(self, "_graph_meta", {})
-        self._graph_meta[bs] = plan_decode(bs, _bucket(bs), *args, num_splits=self.num_kv_splits)
+        self._graph_meta[bs] = plan_decode(bs, graph_batch_size(bs), *args, num_splits=self.num_kv_splits)
         self._decode, self._extend, self._meta_batch = self._graph_meta[bs], None, batch
 
     def init_forward_metadata_replay(self, batch: ForwardBatchLike) -> None:
@@ -151,13 +154,6 @@ class TritonAttnBackend(AttentionBackend):
             self._extend.max_extend_len,
             self.scale,
         )
-
-
-def _bucket(bs: int) -> int:
-    """Batch size the split heuristic sees: the next power of two, the size a CUDA graph pads `bs` to, so a
-    decode batch is split the same way (same float rounding) with CUDA graphs on and off. A split count
-    above what a context needs leaves the extra splits empty, which changes no sum."""
-    return 1 << max(0, bs - 1).bit_length()
 
 
 def _is_decode(batch: ForwardBatchLike) -> bool:
