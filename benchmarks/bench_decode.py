@@ -36,7 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -292,6 +292,40 @@ def profile(bench: DecodeBench, bs: int, steps: int = 20) -> None:
     print(f"\nprofile of {steps} decode steps at batch size {bs} (by host time):\n{table}")
 
 
+def override_rows_tiles(
+    prefetch: Optional[int], sweep_paths: Optional[List[str]], prefetch_shapes: Optional[List[str]] = None
+) -> Dict[str, Dict]:
+    """Make kernels.triton.gemv pick other tiles for the rows kernel (2..MAX_ROWS rows), to time candidates in
+    whole decode steps: each shape that a `bench_gemv.py --sweep` JSON of `sweep_paths` timed takes that
+    sweep's fastest tile with PDL on; then, with `prefetch`, every tile (of the "NxK" weights in
+    `prefetch_shapes` if given) loads that many weight tiles ahead.
+    Must run before the engine captures its CUDA graphs. Returns the tiles taken by (N, K)."""
+    from kernels.triton import gemv as gemv_module
+
+    swept: Dict[tuple, object] = {}
+    for path in sweep_paths or []:
+        with open(path) as f:
+            data = json.load(f)
+        for row in data["results"]:
+            grid = [g for g in data.get("sweeps", {}).get(f"{row['name']}_m{row['m']}", []) if g.get("pdl", True)]
+            if row["m"] > 1 and grid:
+                best = min(grid, key=lambda g: g["us"])
+                fields = {name: best[name] for name in gemv_module.RowsConfig._fields if name in best}
+                swept[(row["n"], row["k"])] = gemv_module.RowsConfig(**fields)
+    default = gemv_module.pick_rows_config
+    taken: Dict[str, Dict] = {}
+
+    def pick(n: int, k: int, dtype):
+        config = swept.get((n, k)) or default(n, k, dtype)
+        if prefetch is not None and (prefetch_shapes is None or f"{n}x{k}" in prefetch_shapes):
+            config = config._replace(prefetch=prefetch)
+        taken[f"{n}x{k}"] = config._asdict()
+        return config
+
+    gemv_module.pick_rows_config = pick
+    return taken
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -332,6 +366,25 @@ def main() -> None:
         "--disable-pdl", action="store_true", help="EngineConfig.disable_pdl: no programmatic dependent launch"
     )
     p.add_argument(
+        "--gemv-rows-prefetch",
+        type=int,
+        choices=(1, 2),
+        default=None,
+        help="the GEMV rows kernel loads this many weight tiles ahead in every tile (default: each tile's own)",
+    )
+    p.add_argument(
+        "--gemv-rows-prefetch-shapes",
+        nargs="+",
+        default=None,
+        help='with --gemv-rows-prefetch: only these weights, as "NxK" (e.g. 6144x4096 for qkv); default all',
+    )
+    p.add_argument(
+        "--gemv-tiles",
+        nargs="+",
+        default=None,
+        help="bench_gemv.py --sweep JSONs: the rows kernel takes each swept shape's fastest tile (PDL on)",
+    )
+    p.add_argument(
         "--engine-tpot",
         action="store_true",
         help="also measure an Engine's batch-1 time per output token (as the vLLM peer measures it)",
@@ -355,6 +408,9 @@ def main() -> None:
 
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
+    rows_tiles = None
+    if args.gemv_rows_prefetch is not None or args.gemv_tiles:
+        rows_tiles = override_rows_tiles(args.gemv_rows_prefetch, args.gemv_tiles, args.gemv_rows_prefetch_shapes)
     with open(args.config) as f:
         cfg = json.load(f)
     folder = tempfile.mkdtemp(prefix="bench-decode-")
@@ -433,6 +489,8 @@ def main() -> None:
         f"PDL {'off' if args.disable_pdl else 'in the steps of the GEMV kernels (column pdl)'}; copy bandwidth "
         f"{bandwidth / 1e9:.0f} GB/s"
     )
+    if rows_tiles is not None:
+        print(f"rows kernel tiles (--gemv-rows-prefetch / --gemv-tiles): {rows_tiles}")
     cols = [
         "batch_size",
         "step_ms",
@@ -470,6 +528,7 @@ def main() -> None:
                 gemv_max_rows=0 if args.disable_gemv else args.gemv_max_rows,
                 cublaslt_max_rows=args.cublaslt_max_rows,
                 pdl=not args.disable_pdl,
+                gemv_rows_tiles=rows_tiles,
                 startup_s=startup,
                 results=rows,
                 engine_tpot=tpot,

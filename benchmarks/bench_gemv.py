@@ -9,13 +9,15 @@ x of M rows (--rows, default 1: a batch-1 step; up to MAX_MEDIUM_ROWS), in the w
   gemv       kernels/triton/gemv.py (one row: _gemv_kernel, more: _rows_kernel), plain launches; M up to
              kernels.triton.gemv.MAX_ROWS
   gemv+pdl   the same with programmatic dependent launch (Hopper and later)
+  gemv+pdl+ahead2  2..MAX_ROWS rows: the same tile with two weight tiles loaded ahead (RowsConfig.prefetch 2)
 
 Each variant runs as a CUDA graph of --calls back-to-back products over rotating copies of the weight
 (together >= 256 MiB, so no product finds its weight in the 50 MiB L2 as a real step would not), timed with
 CUDA events, best of --repeats. Reported: microseconds per product and the weight bytes over that time as a
 fraction of the device-to-device copy bandwidth (bytes read + written) measured first in this process, the
-denominator of bench_decode's roofline. --sweep also times every tile of a grid for each shape and M, PDL
-on and off; the grid's kernels are compiled first by --jobs processes.
+denominator of bench_decode's roofline. --sweep also times every tile of a grid for each shape and M (PDL on
+and off for one row; on for more, as the engine runs them); the grid's kernels are compiled first by --jobs
+processes.
 
   python benchmarks/bench_gemv.py --config benchmarks/configs/llama-3.1-8b.json [--rows 1 2 4 8 16] [--sweep]
       [--tensor-parallel-size 2]   (one rank's share of each weight)
@@ -72,12 +74,15 @@ def sweep_tiles(m: int, n: int, k: int) -> list:
             for bn, bk, warps in itertools.product((4, 8, 16, 32), (256, 512, 1024), (2, 4, 8))
             if bn * bk <= 16384
         ]
+    # The rows kernel's K loop is not software-pipelined by Triton (its weight loads run ahead by hand), so
+    # num_stages does not change its code: one value. What keeps bytes in flight is the tile, the warps that
+    # share it (registers per thread decide how many programs an SM holds) and the tiles loaded ahead.
     return [
-        RowsConfig(bn, bk, warps, stages, split)
-        for bn, bk, warps, stages, split in itertools.product(
-            (16, 32, 64, 128), (128, 256, 512), (4,), (1, 3, 4), (1, 2, 4, 8)
+        RowsConfig(bn, bk, warps, 3, split, prefetch)
+        for bn, bk, warps, split, prefetch in itertools.product(
+            (16, 32, 64, 128), (64, 128, 256), (2, 4, 8), (1, 2, 4), (1, 2)
         )
-        if k % (split * bk) == 0 and triton.cdiv(n, bn) * split <= 4096
+        if k % (split * bk) == 0 and triton.cdiv(n, bn) * split <= 4096 and (prefetch == 1 or k // split >= 2 * bk)
     ]
 
 
@@ -239,6 +244,9 @@ def main() -> None:
                     ("gemv", lambda w, x=x: gemv(x, w), False),
                     ("gemv+pdl", lambda w, x=x: gemv(x, w), True),
                 ]
+                if m > 1 and config.prefetch == 1:
+                    ahead = config._replace(prefetch=2)
+                    variants.append(("gemv+pdl+ahead2", lambda w, x=x, c=ahead: gemv(x, w, config=c), True))
             for label, fn, pdl_on in variants:
                 sec = run(fn, pdl_on)
                 row[f"{label}_us"] = sec * 1e6
@@ -248,7 +256,7 @@ def main() -> None:
                 grid = []
                 tiles = sweep_tiles(m, n, k)
                 for c in tiles:
-                    for pdl_on in (True, False):
+                    for pdl_on in (True, False) if m == 1 else (True,):  # steps of 2..16 rows run with PDL
                         try:
                             sec = run(lambda w, c=c, x=x: gemv(x, w, config=c), pdl_on)
                         except Exception:  # noqa: BLE001  (a tile too large for the SM: not a candidate)
@@ -272,16 +280,22 @@ def main() -> None:
         f"\ndecode-step matmuls, bf16, {os.path.basename(args.config)}; {hw.get('gpu')}; copy bandwidth "
         f"{bandwidth / 1e9:.0f} GB/s; {args.calls} products per CUDA graph, best of {args.repeats}"
     )
-    labels = ("cublas", "cublaslt", "gemv", "gemv+pdl")
+    labels = ("cublas", "cublaslt", "gemv", "gemv+pdl", "gemv+pdl+ahead2")
+    us_w = {label: max(13, len(label) + 4) for label in labels}
+    bw_w = {label: max(10, len(label) + 1) for label in labels}
     print(
         f"{'weight':>10}{'M':>4}{'N x K':>16}{'MiB':>8}"
-        + "".join(f"{label + ' us':>13}" for label in labels)
-        + "".join(f"{label:>10}" for label in labels)
+        + "".join(f"{label + ' us':>{us_w[label]}}" for label in labels)
+        + "".join(f"{label:>{bw_w[label]}}" for label in labels)
     )
     for r in rows:
-        us = "".join(f"{r[label + '_us']:>13.1f}" if label + "_us" in r else f"{'-':>13}" for label in labels)
+        us = "".join(
+            f"{r[label + '_us']:>{us_w[label]}.1f}" if label + "_us" in r else f"{'-':>{us_w[label]}}"
+            for label in labels
+        )
         bw = "".join(
-            f"{r[label + '_of_copy_bw']:>10.0%}" if label + "_of_copy_bw" in r else f"{'-':>10}" for label in labels
+            f"{r[label + '_of_copy_bw']:>{bw_w[label]}.0%}" if label + "_of_copy_bw" in r else f"{'-':>{bw_w[label]}}"
+            for label in labels
         )
         print(f"{r['name']:>10}{r['m']:>4}{str(r['n']) + ' x ' + str(r['k']):>16}{r['weight_mib']:>8.1f}{us}{bw}")
     model = os.path.splitext(os.path.basename(args.config))[0]

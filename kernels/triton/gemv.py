@@ -27,6 +27,11 @@ streaming (4096), K is split over SPLIT_K programs; their float32 partials are s
 the same kernel by whichever program finishes last (no second kernel, no atomics on the data, so the sums
 are deterministic). Each row of x is computed independently of the other rows: a request rounds the same
 in any batch of 2..MAX_ROWS, padded or not. Against cuBLAS at these shapes: `benchmarks/bench_gemv.py --rows`.
+
+A program streams only the tiles it has requested: with one tile ahead, an SM has (programs it holds) x (tile
+bytes) in flight, which registers per thread bound (`benchmarks/gemv_occupancy.py`). RowsConfig.prefetch = 2
+keeps two weight tiles, and x's next tile, in flight while one is multiplied; the tiles are summed in the same
+order, so the result is the same bits as with one ahead.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ class RowsConfig(NamedTuple):
     num_warps: int
     num_stages: int = 1
     split_k: int = 1  # programs per BLOCK_N rows, each over K / split_k (K must be a multiple of split_k * block_k)
+    prefetch: int = 1  # weight tiles loaded ahead of the one being multiplied: 1 or 2 (2 needs >= 2 whole tiles)
 
 
 MAX_ROWS = 16  # x of up to this many rows takes the rows kernel; larger products are GEMMs (cuBLAS)
@@ -143,6 +149,7 @@ def _rows_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    PREFETCH: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -163,17 +170,33 @@ def _rows_kernel(
         w = tl.load(w_ptrs, eviction_policy="evict_first")
     else:
         w = tl.load(w_ptrs, mask=cols[None, :] < k_len, other=0.0, eviction_policy="evict_first")
+    if PREFETCH == 2:  # the host sets it only for whole tiles (EVEN_K) and k_len >= 2 * BLOCK_K
+        w_ahead = tl.load(w_ptrs + BLOCK_K, eviction_policy="evict_first")
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # everything below may read (or write) what the previous kernel wrote (or read)
         tl.extra.cuda.gdc_launch_dependents()
-    for k in range(BLOCK_K, k_len, BLOCK_K):
-        if EVEN_K:
+    if PREFETCH == 2:
+        # Two weight tiles in flight while one is multiplied, and x's tile loaded an iteration before its use
+        # (a read of L2 per iteration otherwise waited on); the tiles are summed in the same order as below.
+        x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+        for k in range(2 * BLOCK_K, k_len, BLOCK_K):
             w_next = tl.load(w_ptrs + k, eviction_policy="evict_first")
-        else:
-            w_next = tl.load(w_ptrs + k, mask=(k + cols[None, :]) < k_len, other=0.0, eviction_policy="evict_first")
-        x = tl.load(x_ptrs + (k - BLOCK_K), mask=m_ok[:, None], other=0.0)
+            x_next = tl.load(x_ptrs + (k - BLOCK_K), mask=m_ok[:, None], other=0.0)
+            acc = _dot_acc(x, w, acc, F32_DOT)
+            w = w_ahead
+            w_ahead = w_next
+            x = x_next
         acc = _dot_acc(x, w, acc, F32_DOT)
-        w = w_next
+        w = w_ahead
+    else:
+        for k in range(BLOCK_K, k_len, BLOCK_K):
+            if EVEN_K:
+                w_next = tl.load(w_ptrs + k, eviction_policy="evict_first")
+            else:
+                w_next = tl.load(w_ptrs + k, mask=(k + cols[None, :]) < k_len, other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_ptrs + (k - BLOCK_K), mask=m_ok[:, None], other=0.0)
+            acc = _dot_acc(x, w, acc, F32_DOT)
+            w = w_next
     last = ((k_len - 1) // BLOCK_K) * BLOCK_K
     x = tl.load(x_ptrs + last, mask=m_ok[:, None] & ((last + cols[None, :]) < k_len), other=0.0)
     acc = _dot_acc(x, w, acc, F32_DOT)
@@ -322,6 +345,7 @@ def _gemv_rows(
     block_m = max(16, triton.next_power_of_2(m))
     n_blocks = triton.cdiv(n, cfg.block_n)
     split = cfg.split_k if k % (cfg.split_k * cfg.block_k) == 0 else 1
+    even_k = (k // split) % cfg.block_k == 0
     if split > 1:
         workspace = torch.empty(n_blocks * split * block_m * cfg.block_n, dtype=torch.float32, device=x.device)
         locks = _split_locks(x.device, n_blocks)
@@ -341,12 +365,13 @@ def _gemv_rows(
         weight.stride(0),
         y.stride(0),
         HAS_BIAS=bias is not None,
-        EVEN_K=(k // split) % cfg.block_k == 0,
+        EVEN_K=even_k,
         F32_DOT=x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         SPLIT_K=split,
+        PREFETCH=2 if cfg.prefetch == 2 and even_k and k // split >= 2 * cfg.block_k else 1,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl.launch_args(x.device),

@@ -47,6 +47,7 @@ def run_script(name, *args):
         "bench_encoder.py",
         "bench_gemm_power.py",
         "bench_prefill_attention.py",
+        "gemv_occupancy.py",
     ],
 )
 def test_help(name):
@@ -480,6 +481,37 @@ def test_multi_turn_history_from_the_dataset_is_the_same_for_every_server():
     assert fixed == workload("dataset")
     assert all(len(t.answer.split()) == 7 for s in fixed for t in s)
     assert all(t.answer is None for s in workload("generated") for t in s)
+
+
+def test_gemv_occupancy_counts_the_programs_an_sm_holds():
+    """Hopper's per-SM limits: registers in 256-register units per warp, 1 KiB of shared memory reserved per
+    program, 64 warps, 32 programs."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from gemv_occupancy import programs_per_sm
+
+    assert programs_per_sm(134, 4, 24576) == 3  # 136 x 32 registers per warp: 15 warps fit, 3 programs of 4
+    assert programs_per_sm(227, 4, 40960) == 2
+    assert programs_per_sm(56, 8, 1024) == 4  # 2,048 registers per warp: 32 warps
+    assert programs_per_sm(32, 1, 0) == 32  # the program limit
+    assert programs_per_sm(32, 4, 120_000) == 1  # shared memory
+    assert programs_per_sm(255, 32, 0) == 0  # 32 warps of 255 registers do not fit
+
+
+@pytest.mark.skipif(sys.platform != "linux" or os.uname().machine != "x86_64", reason="Triton's ptxas: x86-64 Linux")
+def test_gemv_occupancy_compiles_the_engines_tiles_without_a_gpu(tmp_path):
+    """Every weight of one Llama layer and the lm_head, the rows kernel at 8 rows with one and two tiles
+    ahead, compiled for sm_90 by Triton's ptxas: resources read back, JSON written."""
+    out = tmp_path / "occ.json"
+    proc = run_script("gemv_occupancy.py", "--rows", "8", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["weight"], r["config"]["prefetch"]) for r in rows] == [
+        (w, a) for w in ("qkv", "o", "gate_up", "down", "lm_head") for a in (1, 2)
+    ]
+    for r in rows:
+        assert 0 < r["registers"] <= 255 and r["programs_per_sm"] >= 1 and r["programs"] >= 1
+    qkv = {r["config"]["prefetch"]: r for r in rows if r["weight"] == "qkv"}
+    assert qkv[2]["weight_bytes_in_flight_per_sm"] > qkv[1]["weight_bytes_in_flight_per_sm"]
 
 
 def test_bench_gemv_shapes_are_one_ranks_share():

@@ -120,6 +120,29 @@ def test_gemv_rows_do_not_depend_on_the_other_rows(dtype):
     assert torch.equal(gemv(other, w)[0], full[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "m,n,k,cfg",
+    [
+        (8, 48, 512, RowsConfig(16, 64, 4, 3, 1)),  # 8 tiles per program
+        (3, 40, 128, RowsConfig(16, 64, 4, 3, 1)),  # exactly 2 tiles: the loop body never runs
+        (16, 64, 1024, RowsConfig(32, 64, 4, 3, 4)),  # split K: 4 tiles per split
+        (5, 37, 200, RowsConfig(16, 32, 4, 3, 1)),  # a partial last tile: falls back to one tile ahead
+        (4, 20, 64, RowsConfig(16, 64, 4, 3, 1)),  # a single tile: falls back
+    ],
+)
+def test_gemv_rows_two_tiles_ahead_is_bit_identical(dtype, m, n, k, cfg):
+    """prefetch=2 keeps two weight tiles in flight but sums the tiles in the same order: the same bits as
+    prefetch=1, bias included; shapes it cannot serve (a partial tile, one tile) fall back to one ahead."""
+    x = randn(m, k, dtype=dtype)
+    w = randn(n, k, dtype=dtype, seed=1, scale=k**-0.5)
+    b = randn(n, dtype=dtype, seed=2)
+    one = gemv(x, w, b, config=cfg)
+    two = gemv(x, w, b, config=cfg._replace(prefetch=2))
+    assert torch.equal(one, two)
+    torch.testing.assert_close(two, gemv_reference(x, w, b), **tol(dtype))
+
+
 def test_gemv_rows_float32_logits_and_bad_row_counts():
     x = randn(3, 64, dtype=torch.bfloat16)
     w = randn(33, 64, dtype=torch.bfloat16, seed=1, scale=0.2)
