@@ -66,7 +66,7 @@ def sweep_tiles(m: int, n: int, k: int) -> list:
     that fit the shape."""
     import triton
 
-    from kernels.triton.gemv import GemvConfig, RowsConfig
+    from kernels.triton.gemv import GemvConfig, RowsConfig, rows_launch
 
     if m == 1:
         return [
@@ -77,12 +77,19 @@ def sweep_tiles(m: int, n: int, k: int) -> list:
     # The rows kernel's K loop is not software-pipelined by Triton (its weight loads run ahead by hand), so
     # num_stages does not change its code: one value. What keeps bytes in flight is the tile, the warps that
     # share it (registers per thread decide how many programs an SM holds) and the tiles loaded ahead.
-    return [
+    tiles = [
         RowsConfig(bn, bk, warps, 3, split, prefetch)
         for bn, bk, warps, split, prefetch in itertools.product(
             (16, 32, 64, 128), (64, 128, 256), (2, 4, 8), (1, 2, 4), (1, 2)
         )
-        if k % (split * bk) == 0 and triton.cdiv(n, bn) * split <= 4096 and (prefetch == 1 or k // split >= 2 * bk)
+    ]
+    # whole K tiles in every split, at most 4096 programs, and two ahead only where it launches so
+    return [
+        c
+        for c in tiles
+        if k % (c.split_k * c.block_k) == 0
+        and triton.cdiv(n, c.block_n) * c.split_k <= 4096
+        and rows_launch(k, c)[2] == c.prefetch
     ]
 
 

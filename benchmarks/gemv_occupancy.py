@@ -66,7 +66,7 @@ def compile_tile(m: int, n: int, k: int, config, arch: int) -> Dict[str, int]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels.triton.gemv import _gemv_kernel, _rows_kernel
+    from kernels.triton.gemv import _gemv_kernel, _rows_kernel, rows_launch
 
     if m == 1:
         kernel, pointers, ints = _gemv_kernel, ("X", "W", "B", "Y"), ("N", "K", "stride_wn")
@@ -77,9 +77,7 @@ def compile_tile(m: int, n: int, k: int, config, arch: int) -> Dict[str, int]:
         kernel = _rows_kernel
         pointers = ("X", "W", "B", "Y", "WS", "LOCKS")
         ints = ("M", "N", "K", "stride_xm", "stride_wn", "stride_ym")
-        split = config.split_k if k % (config.split_k * config.block_k) == 0 else 1
-        even_k = (k // split) % config.block_k == 0
-        ahead = 2 if config.prefetch == 2 and even_k and k // split >= 2 * config.block_k else 1
+        split, even_k, ahead = rows_launch(k, config)
         constexprs = dict(HAS_BIAS=False, EVEN_K=even_k, F32_DOT=False, BLOCK_M=max(16, triton.next_power_of_2(m)))
         constexprs.update(BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, PREFETCH=ahead, USE_PDL=True)
         programs, stages = triton.cdiv(n, config.block_n) * split, config.num_stages

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -335,6 +335,15 @@ def _split_locks(device: torch.device, n_blocks: int) -> torch.Tensor:
     return locks
 
 
+def rows_launch(k: int, cfg: RowsConfig) -> Tuple[int, bool, int]:
+    """(SPLIT_K, EVEN_K, PREFETCH) with which `_rows_kernel` runs tile `cfg` over K = k: the K split only where
+    K divides evenly into split_k * block_k tiles, two tiles ahead only over whole tiles, at least two."""
+    split = cfg.split_k if k % (cfg.split_k * cfg.block_k) == 0 else 1
+    even_k = (k // split) % cfg.block_k == 0
+    ahead = 2 if cfg.prefetch == 2 and even_k and k // split >= 2 * cfg.block_k else 1
+    return split, even_k, ahead
+
+
 def _gemv_rows(
     x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: torch.dtype, cfg: RowsConfig
 ) -> torch.Tensor:
@@ -344,8 +353,7 @@ def _gemv_rows(
     y = torch.empty((m, n), dtype=out_dtype, device=x.device)
     block_m = max(16, triton.next_power_of_2(m))
     n_blocks = triton.cdiv(n, cfg.block_n)
-    split = cfg.split_k if k % (cfg.split_k * cfg.block_k) == 0 else 1
-    even_k = (k // split) % cfg.block_k == 0
+    split, even_k, ahead = rows_launch(k, cfg)
     if split > 1:
         workspace = torch.empty(n_blocks * split * block_m * cfg.block_n, dtype=torch.float32, device=x.device)
         locks = _split_locks(x.device, n_blocks)
@@ -371,7 +379,7 @@ def _gemv_rows(
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         SPLIT_K=split,
-        PREFETCH=2 if cfg.prefetch == 2 and even_k and k // split >= 2 * cfg.block_k else 1,
+        PREFETCH=ahead,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl.launch_args(x.device),
