@@ -70,7 +70,7 @@ def compile_tile(m: int, n: int, k: int, config, arch: int) -> Dict[str, int]:
 
     if m == 1:
         kernel, pointers, ints = _gemv_kernel, ("X", "W", "B", "Y"), ("N", "K", "stride_wn")
-        constexprs = dict(HAS_BIAS=False, EVEN_K=k % config.block_k == 0, BLOCK_N=config.block_n)
+        constexprs = dict(HAS_BIAS=False, EVEN_K=k % config.block_k == 0, GATED=False, BLOCK_N=config.block_n)
         constexprs.update(BLOCK_K=config.block_k, USE_PDL=True)
         programs, stages = triton.cdiv(n, config.block_n), 1
     else:
@@ -78,7 +78,9 @@ def compile_tile(m: int, n: int, k: int, config, arch: int) -> Dict[str, int]:
         pointers = ("X", "W", "B", "Y", "WS", "LOCKS")
         ints = ("M", "N", "K", "stride_xm", "stride_wn", "stride_ym")
         split, even_k, ahead = rows_launch(k, config)
-        constexprs = dict(HAS_BIAS=False, EVEN_K=even_k, F32_DOT=False, BLOCK_M=max(16, triton.next_power_of_2(m)))
+        constexprs = dict(
+            HAS_BIAS=False, EVEN_K=even_k, DOT="mma", GATED=False, BLOCK_M=max(16, triton.next_power_of_2(m))
+        )
         constexprs.update(BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, PREFETCH=ahead, USE_PDL=True)
         programs, stages = triton.cdiv(n, config.block_n) * split, config.num_stages
     types = {"WS": "*fp32", "LOCKS": "*i32"}

@@ -69,6 +69,15 @@ def gemv(
     return gemv_kernel(x, weight, bias, out_dtype=out_dtype)
 
 
+def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """silu(x @ gate^T) * (x @ up^T) for weight (2d, K) = [gate | up] -> (M, d), M <= GEMV_MAX_ROWS, in one
+    launch on CUDA: the same bits as SiluAndMul()(gemv(x, weight, bias)), one kernel and one (M, 2d) round trip
+    through memory fewer per decode step."""
+    from kernels.triton.gemv import gemv_silu_mul as gemv_silu_mul_kernel  # noqa: PLC0415  (GPU path only)
+
+    return gemv_silu_mul_kernel(x, weight, bias)
+
+
 CUBLASLT_MAX_ROWS = 64
 
 

@@ -30,7 +30,16 @@ from transformers import PretrainedConfig
 
 from engine.errors import UnsupportedModelError
 from engine.forward_batch import ForwardBatch
-from engine.models.layers import GEMV_MAX_ROWS, Linear, RMSNorm, RotaryEmbedding, SiluAndMul, gemv, gemv_applies
+from engine.models.layers import (
+    GEMV_MAX_ROWS,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    SiluAndMul,
+    gemv,
+    gemv_applies,
+    gemv_silu_mul,
+)
 from engine.models.parallel_layers import RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead
 from engine.parallel.shard import HeadShard, TensorParallel, TensorSlice, head_shard, split_range
 
@@ -162,7 +171,10 @@ class LlamaMLP(nn.Module):
         return None if self.tp is None else TensorSlice(0, *self.columns)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(T, hidden) -> (T, hidden)."""
+        """(T, hidden) -> (T, hidden). Where the gate_up product takes the GEMV kernels, SiLU-and-mul runs in
+        its epilogue (layers.gemv_silu_mul: the same bits, one launch fewer)."""
+        if gemv_applies(self.gate_up_proj, x):
+            return self.down_proj(gemv_silu_mul(x, self.gate_up_proj.weight, self.gate_up_proj.bias))
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 

@@ -121,6 +121,15 @@ def fused_add_rmsnorm(
 
 
 @triton.jit
+def silu_mul(g, u, Y):
+    """silu(g) * u in Y's element type from float32 g, u (values of that type): silu(g) rounded to it before the
+    multiply, the product rounded once. Shared by every kernel that applies SiLU-and-mul, so that they round
+    alike (kernels/triton/gemv.py applies it in the gate_up product's epilogue)."""
+    act = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
+    return (act * u).to(Y.dtype.element_ty)
+
+
+@triton.jit
 def _silu_and_mul_kernel(X, Y, stride_x, stride_y, D, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -130,8 +139,7 @@ def _silu_and_mul_kernel(X, Y, stride_x, stride_y, D, BLOCK: tl.constexpr, USE_P
         tl.extra.cuda.gdc_launch_dependents()
     g = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(X + row * stride_x + D + offs, mask=mask, other=0.0).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
-    tl.store(Y + row * stride_y + offs, (act * u).to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + row * stride_y + offs, silu_mul(g, u, Y), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,13 @@ A program streams only the tiles it has requested: with one tile ahead, an SM ha
 bytes) in flight, which registers per thread bound (`benchmarks/gemv_occupancy.py`). RowsConfig.prefetch = 2
 keeps two weight tiles, and x's next tile, in flight while one is multiplied; the tiles are summed in the same
 order, so the result is the same bits as with one ahead.
+
+`gemv_silu_mul(x, W)`, W = [gate | up] (2d, K): silu(x @ gate^T) * (x @ up^T), the MLP's gate_up product and
+its activation in one launch (GATED). A program keeps the tile that gemv gives the (2d, K) product, but fills
+it with gate row p and up row d + p in adjacent columns (`_program_rows`), so every row is summed as gemv sums
+it; the epilogue rounds each pair to x's dtype, as gemv does, and applies `fused_layers.silu_mul`, the SiLU
+kernel's own arithmetic: the same bits as the two launches, without the second kernel and the (M, 2d)
+intermediate.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton import pdl
+from kernels.triton.fused_layers import silu_mul
 
 
 class GemvConfig(NamedTuple):
@@ -68,6 +76,23 @@ MAX_ROWS = 16  # x of up to this many rows takes the rows kernel; larger product
 
 
 @triton.jit
+def _program_rows(pid, N, GATED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(rows, row_ok): the BLOCK_N weight rows program `pid` multiplies. Plain: rows pid * BLOCK_N + j. GATED
+    (W = [gate | up], N = 2d): BLOCK_N / 2 pairs p = pid * BLOCK_N / 2 + j // 2, gate row p at even j and up
+    row d + p at odd j, so that a program's tile has the plain tile's shape (the same sums per row) and its
+    result pairs up as (BLOCK_N / 2, 2). Rows past the end read row N - 1 and are not stored."""
+    j = tl.arange(0, BLOCK_N)
+    if GATED:
+        pairs = pid * (BLOCK_N // 2) + j // 2
+        rows = tl.where(j % 2 == 0, pairs, pairs + N // 2)
+        row_ok = pairs < N // 2
+    else:
+        rows = pid * BLOCK_N + j
+        row_ok = rows < N
+    return tl.where(row_ok, rows, N - 1), row_ok
+
+
+@triton.jit
 def _gemv_kernel(
     X,
     W,
@@ -78,15 +103,14 @@ def _gemv_kernel(
     stride_wn,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
+    GATED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    # rows past N read row N - 1 (loads stay unmasked in the common case); their results are not stored
-    safe_rows = tl.where(row_ok, rows, N - 1).to(tl.int64)
+    rows, row_ok = _program_rows(pid, N, GATED, BLOCK_N)
+    safe_rows = rows.to(tl.int64)  # rows past N read row N - 1 (loads stay unmasked); their results are not stored
     cols = tl.arange(0, BLOCK_K)
     w_ptrs = W + safe_rows[:, None] * stride_wn + cols[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -114,18 +138,61 @@ def _gemv_kernel(
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)
-    # one rounding to x's dtype (as a matmul in that dtype), then to Y's (float32 logits)
-    tl.store(Y + rows, y.to(X.dtype.element_ty).to(Y.dtype.element_ty), mask=row_ok)
+    if GATED:
+        g, u = tl.split(tl.reshape(y.to(X.dtype.element_ty).to(tl.float32), (BLOCK_N // 2, 2)))
+        pairs = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(Y + pairs, silu_mul(g, u, Y), mask=pairs < N // 2)
+    else:
+        # one rounding to x's dtype (as a matmul in that dtype), then to Y's (float32 logits)
+        tl.store(Y + rows, y.to(X.dtype.element_ty).to(Y.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
-def _dot_acc(x, w, acc, F32_DOT: tl.constexpr):
-    """acc + x @ w^T in float32. F32_DOT: operands widened to float32 and multiplied exactly (float32 inputs,
-    no TF32; and under Triton's interpreter, which has no 16-bit dot). 16-bit products are exact in float32,
-    so both ways give the same sums up to their order within the dot."""
-    if F32_DOT:
+def _dot_acc(x, w, acc, DOT: tl.constexpr):
+    """acc + x @ w^T in float32, by DOT: "mma" (16-bit operands on tensor cores, float32 accumulation);
+    "ieee" (operands widened to float32 and multiplied exactly: float32 inputs, no TF32); "sum" (under Triton's
+    interpreter, which has no 16-bit dot and whose float32 dot is a BLAS call whose order of summation may
+    differ between columns: an elementwise product summed over K, the same order for every output element).
+    16-bit products are exact in float32, so all three give the same sums up to their order within the dot."""
+    if DOT == "sum":
+        return acc + tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    if DOT == "ieee":
         return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
     return tl.dot(x, tl.trans(w), acc)
+
+
+@triton.jit
+def _store_rows(
+    acc,
+    X,
+    B,
+    Y,
+    rows,
+    row_ok,
+    ms,
+    m_ok,
+    pid_n,
+    N,
+    stride_ym,
+    HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Stores a rows-kernel tile's float32 sums acc (BLOCK_M, BLOCK_N) (+ bias), rounded once to x's dtype, then
+    to Y's; GATED: silu(gate) * up of the tile's (gate, up) column pairs (`_program_rows`) instead."""
+    if HAS_BIAS:
+        acc += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        g, u = tl.split(tl.reshape(acc.to(X.dtype.element_ty).to(tl.float32), (BLOCK_M, BLOCK_N // 2, 2)))
+        pairs = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        ok = m_ok[:, None] & (pairs < N // 2)[None, :]
+        tl.store(Y + ms[:, None] * stride_ym + pairs[None, :], silu_mul(g, u, Y), mask=ok)
+    else:
+        ok = m_ok[:, None] & row_ok[None, :]
+        tl.store(
+            Y + ms[:, None] * stride_ym + rows[None, :], acc.to(X.dtype.element_ty).to(Y.dtype.element_ty), mask=ok
+        )
 
 
 @triton.jit
@@ -144,7 +211,8 @@ def _rows_kernel(
     stride_ym,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
-    F32_DOT: tl.constexpr,
+    GATED: tl.constexpr,
+    DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -157,9 +225,8 @@ def _rows_kernel(
     split = pid % SPLIT_K
     k_len = K // SPLIT_K  # SPLIT_K > 1 only where K is a multiple of SPLIT_K * BLOCK_K (the host checks)
     k0 = split * k_len
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    safe_rows = tl.where(row_ok, rows, N - 1).to(tl.int64)
+    rows, row_ok = _program_rows(pid_n, N, GATED, BLOCK_N)
+    safe_rows = rows.to(tl.int64)
     ms = tl.arange(0, BLOCK_M)
     m_ok = ms < M
     cols = tl.arange(0, BLOCK_K)
@@ -182,11 +249,11 @@ def _rows_kernel(
         for k in range(2 * BLOCK_K, k_len, BLOCK_K):
             w_next = tl.load(w_ptrs + k, eviction_policy="evict_first")
             x_next = tl.load(x_ptrs + (k - BLOCK_K), mask=m_ok[:, None], other=0.0)
-            acc = _dot_acc(x, w, acc, F32_DOT)
+            acc = _dot_acc(x, w, acc, DOT)
             w = w_ahead
             w_ahead = w_next
             x = x_next
-        acc = _dot_acc(x, w, acc, F32_DOT)
+        acc = _dot_acc(x, w, acc, DOT)
         w = w_ahead
     else:
         for k in range(BLOCK_K, k_len, BLOCK_K):
@@ -195,17 +262,13 @@ def _rows_kernel(
             else:
                 w_next = tl.load(w_ptrs + k, mask=(k + cols[None, :]) < k_len, other=0.0, eviction_policy="evict_first")
             x = tl.load(x_ptrs + (k - BLOCK_K), mask=m_ok[:, None], other=0.0)
-            acc = _dot_acc(x, w, acc, F32_DOT)
+            acc = _dot_acc(x, w, acc, DOT)
             w = w_next
     last = ((k_len - 1) // BLOCK_K) * BLOCK_K
     x = tl.load(x_ptrs + last, mask=m_ok[:, None] & ((last + cols[None, :]) < k_len), other=0.0)
-    acc = _dot_acc(x, w, acc, F32_DOT)
-    store_ok = m_ok[:, None] & row_ok[None, :]
-    y_ptrs = Y + ms[:, None] * stride_ym + rows[None, :]
+    acc = _dot_acc(x, w, acc, DOT)
     if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptrs, acc.to(X.dtype.element_ty).to(Y.dtype.element_ty), mask=store_ok)
+        _store_rows(acc, X, B, Y, rows, row_ok, ms, m_ok, pid_n, N, stride_ym, HAS_BIAS, GATED, BLOCK_M, BLOCK_N)
     else:
         # Each split stores its float32 partial; the last of the SPLIT_K programs of these rows to arrive (the
         # lock counts arrivals) sums all partials in split order, so the result does not depend on which
@@ -219,9 +282,7 @@ def _rows_kernel(
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):
                 total += tl.load(WS + tile + s * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
-            if HAS_BIAS:
-                total += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptrs, total.to(X.dtype.element_ty).to(Y.dtype.element_ty), mask=store_ok)
+            _store_rows(total, X, B, Y, rows, row_ok, ms, m_ok, pid_n, N, stride_ym, HAS_BIAS, GATED, BLOCK_M, BLOCK_N)
             tl.atomic_xchg(LOCKS + pid_n, 0)
 
 
@@ -287,6 +348,34 @@ def gemv(
     in one kernel for float32 logits. One row takes `_gemv_kernel` (tile `config`: a GemvConfig), 2..MAX_ROWS
     rows `_rows_kernel` (a RowsConfig).
     """
+    return _launch(x, weight, bias, out_dtype or x.dtype, config, gated=False)
+
+
+def gemv_silu_mul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    config: Optional[GemvConfig | RowsConfig] = None,
+) -> torch.Tensor:
+    """x (M, K) or (K,), weight (2d, K) = [gate | up] rows, bias (2d,) -> (M, d) (or (d,)) in x's dtype:
+    silu(x @ gate^T) * (x @ up^T) in one launch, the same bits as fused_layers.silu_and_mul(gemv(x, weight,
+    bias)). Each program takes the tile that gemv would give the (2d, K) product, filled with pairs of gate
+    and up rows (`_program_rows`), so every row is summed as gemv sums it; the epilogue rounds as gemv then
+    silu_and_mul round."""
+    if weight.shape[0] % 2:
+        raise ValueError(f"gemv_silu_mul: weight has {weight.shape[0]} rows, not [gate | up] of equal halves")
+    return _launch(x, weight, bias, x.dtype, config, gated=True)
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    out_dtype: torch.dtype,
+    config: Optional[GemvConfig | RowsConfig],
+    gated: bool,
+) -> torch.Tensor:
+    """Checks the operands and launches the kernel for x's row count; (M, N) or (M, N / 2) when gated."""
     squeeze = x.dim() == 1
     x2 = x.reshape(1, -1) if squeeze else x
     n, k = weight.shape
@@ -298,11 +387,13 @@ def gemv(
     if weight.stride(1) != 1:
         raise ValueError("gemv: weight rows must be contiguous")
     x2 = x2 if x2.is_contiguous() else x2.contiguous()
+    n_out = n // 2 if gated else n
     if m > 1:
-        return _gemv_rows(x2, weight, bias, out_dtype or x.dtype, config or pick_rows_config(n, k, weight.dtype))
+        return _gemv_rows(x2, weight, bias, out_dtype, config or pick_rows_config(n, k, weight.dtype), gated)
     cfg = config or pick_config(n, k, weight.dtype)
-    y = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+    y = torch.empty((1, n_out), dtype=out_dtype, device=x.device)
+    pairs_or_rows = cfg.block_n // 2 if gated else cfg.block_n
+    _gemv_kernel[(triton.cdiv(n_out, pairs_or_rows),)](
         x2,
         weight,
         bias if bias is not None else weight,
@@ -312,12 +403,13 @@ def gemv(
         weight.stride(0),
         HAS_BIAS=bias is not None,
         EVEN_K=k % cfg.block_k == 0,
+        GATED=gated,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps,
         **pdl.launch_args(x.device),
     )
-    return y.view(n) if squeeze else y
+    return y.view(n_out) if squeeze else y
 
 
 _LOCKS: dict = {}
@@ -335,6 +427,13 @@ def _split_locks(device: torch.device, n_blocks: int) -> torch.Tensor:
     return locks
 
 
+def _dot_mode(dtype: torch.dtype) -> str:
+    """`_dot_acc`'s DOT for x of `dtype`."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "sum"
+    return "ieee" if dtype == torch.float32 else "mma"
+
+
 def rows_launch(k: int, cfg: RowsConfig) -> Tuple[int, bool, int]:
     """(SPLIT_K, EVEN_K, PREFETCH) with which `_rows_kernel` runs tile `cfg` over K = k: the K split only where
     K divides evenly into split_k * block_k tiles, two tiles ahead only over whole tiles, at least two."""
@@ -345,14 +444,20 @@ def rows_launch(k: int, cfg: RowsConfig) -> Tuple[int, bool, int]:
 
 
 def _gemv_rows(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: torch.dtype, cfg: RowsConfig
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    out_dtype: torch.dtype,
+    cfg: RowsConfig,
+    gated: bool = False,
 ) -> torch.Tensor:
-    """x (M, K) contiguous, 2 <= M <= MAX_ROWS -> (M, N) through `_rows_kernel`."""
+    """x (M, K) contiguous, 2 <= M <= MAX_ROWS -> (M, N) through `_rows_kernel`; gated: (M, N / 2)."""
     m, k = x.shape
     n = weight.shape[0]
-    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    n_out = n // 2 if gated else n
+    y = torch.empty((m, n_out), dtype=out_dtype, device=x.device)
     block_m = max(16, triton.next_power_of_2(m))
-    n_blocks = triton.cdiv(n, cfg.block_n)
+    n_blocks = triton.cdiv(n_out, cfg.block_n // 2 if gated else cfg.block_n)
     split, even_k, ahead = rows_launch(k, cfg)
     if split > 1:
         workspace = torch.empty(n_blocks * split * block_m * cfg.block_n, dtype=torch.float32, device=x.device)
@@ -374,7 +479,8 @@ def _gemv_rows(
         y.stride(0),
         HAS_BIAS=bias is not None,
         EVEN_K=even_k,
-        F32_DOT=x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
+        GATED=gated,
+        DOT=_dot_mode(x.dtype),
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,

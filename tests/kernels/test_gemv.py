@@ -27,9 +27,11 @@ from kernels.triton.gemv import (  # noqa: E402
     RowsConfig,
     gemv,
     gemv_reference,
+    gemv_silu_mul,
     pick_config,
     pick_rows_config,
 )
+from kernels.triton.fused_layers import silu_and_mul, silu_and_mul_reference  # noqa: E402
 from kernels.triton.sampling import argmax  # noqa: E402
 
 fix_interpreter_scalar_index()
@@ -141,6 +143,44 @@ def test_gemv_rows_two_tiles_ahead_is_bit_identical(dtype, m, n, k, cfg):
     two = gemv(x, w, b, config=cfg._replace(prefetch=2))
     assert torch.equal(one, two)
     torch.testing.assert_close(two, gemv_reference(x, w, b), **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "m,d,k,cfg",
+    [
+        (1, 20, 96, None),  # one row: pairs that do not fill the last program, a partial K tile
+        (1, 64, 512, GemvConfig(8, 64, 4)),  # one row, several K tiles
+        (5, 37, 200, None),  # the rows kernel, a partial K tile
+        (8, 40, 512, RowsConfig(16, 64, 4, 3, 1, 2)),  # two tiles ahead
+        (16, 32, 1024, RowsConfig(32, 64, 4, 3, 4)),  # split K: the last program's epilogue
+    ],
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_silu_mul_is_the_two_kernels_bit_for_bit(dtype, m, d, k, cfg, bias):
+    """One launch for silu(x @ gate^T) * (x @ up^T): the same bits as gemv, then silu_and_mul (each row summed
+    in the same tile shape, rounded where the two kernels round), and close to the float32 reference."""
+    x = randn(m, k, dtype=dtype)
+    w = randn(2 * d, k, dtype=dtype, seed=1, scale=k**-0.5)
+    b = randn(2 * d, dtype=dtype, seed=2) if bias else None
+    y = gemv_silu_mul(x, w, b, config=cfg)
+    assert y.shape == (m, d) and y.dtype == dtype
+    assert torch.equal(y, silu_and_mul(gemv(x, w, b, config=cfg)))
+    # against float32 math: a gate one ulp off (summation order) moves the product by up to |up| ulps
+    ref = silu_and_mul_reference(gemv_reference(x.float(), w.float(), None if b is None else b.float()))
+    close = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2**-5, atol=5e-2)
+    torch.testing.assert_close(y.float(), ref, **close)
+
+
+def test_gemv_silu_mul_vector_input_and_bad_shapes():
+    x = randn(64, dtype=torch.bfloat16)
+    w = randn(48, 64, dtype=torch.bfloat16, seed=1, scale=0.1)
+    assert torch.equal(gemv_silu_mul(x, w), silu_and_mul(gemv(x, w)))
+    assert gemv_silu_mul(x, w).shape == (24,)
+    with pytest.raises(ValueError, match="gate"):
+        gemv_silu_mul(x, w[:47])
+    with pytest.raises(ValueError, match="columns"):
+        gemv_silu_mul(randn(2, 63, dtype=torch.bfloat16), w)
 
 
 def test_gemv_rows_float32_logits_and_bad_row_counts():
@@ -313,6 +353,19 @@ def test_gpu_gemv_rows_llama3_8b_shapes(m, n, k):
     y = gemv(x, w)
     torch.testing.assert_close(y, gemv_reference(x, w), **ULP[torch.bfloat16])
     torch.testing.assert_close(y, torch.nn.functional.linear(x, w), **ULP[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2, 8, 16])
+@pytest.mark.parametrize("d", [14336, 7168, 3584, 1792])  # Llama-3.1-8B's gate_up, and its shards under TP 2/4/8
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_gpu_gemv_silu_mul_llama3_8b_bit_for_bit(m, d, prefetch):
+    """Compiled, the gated tile holds gate and up rows in alternate columns of the plain tile: the tensor-core
+    dot (or the one-row reduction) must sum every column alike for the result to be the two kernels' bits."""
+    x = randn(m, 4096, dtype=torch.bfloat16)
+    w = randn(2 * d, 4096, dtype=torch.bfloat16, seed=1, scale=4096**-0.5)
+    cfg = None if m == 1 else pick_rows_config(2 * d, 4096, torch.bfloat16)._replace(prefetch=prefetch)
+    assert torch.equal(gemv_silu_mul(x, w, config=cfg), silu_and_mul(gemv(x, w, config=cfg)))
 
 
 @pytest.mark.gpu
