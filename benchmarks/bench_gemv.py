@@ -10,6 +10,9 @@ x of M rows (--rows, default 1: a batch-1 step; up to MAX_MEDIUM_ROWS), in the w
              kernels.triton.gemv.MAX_ROWS
   gemv+pdl   the same with programmatic dependent launch (Hopper and later)
   gemv+pdl+ahead2  2..MAX_ROWS rows: the same tile with two weight tiles loaded ahead (RowsConfig.prefetch 2)
+  gemv+silu  gate_up only: the product then fused_layers.silu_and_mul, two launches with PDL (the MLP before
+             the gated epilogue)
+  gated      gate_up only: gemv_silu_mul, the product and SiLU-and-mul in one launch with PDL (what LlamaMLP runs)
 
 Each variant runs as a CUDA graph of --calls back-to-back products over rotating copies of the weight
 (together >= 256 MiB, so no product finds its weight in the 50 MiB L2 as a real step would not), timed with
@@ -201,7 +204,8 @@ def main() -> None:
 
     from engine.models.layers import linear_cublaslt
     from kernels.triton import pdl
-    from kernels.triton.gemv import MAX_ROWS, gemv, pick_config, pick_rows_config
+    from kernels.triton.fused_layers import silu_and_mul
+    from kernels.triton.gemv import MAX_ROWS, gemv, gemv_silu_mul, pick_config, pick_rows_config
 
     if not all(1 <= m <= MAX_MEDIUM_ROWS for m in args.rows):
         sys.exit(f"--rows: 1 to {MAX_MEDIUM_ROWS}")
@@ -254,6 +258,11 @@ def main() -> None:
                 if m > 1 and config.prefetch == 1:
                     ahead = config._replace(prefetch=2)
                     variants.append(("gemv+pdl+ahead2", lambda w, x=x, c=ahead: gemv(x, w, config=c), True))
+                if name == "gate_up":
+                    variants += [
+                        ("gemv+silu", lambda w, x=x: silu_and_mul(gemv(x, w)), True),
+                        ("gated", lambda w, x=x: gemv_silu_mul(x, w), True),
+                    ]
             for label, fn, pdl_on in variants:
                 sec = run(fn, pdl_on)
                 row[f"{label}_us"] = sec * 1e6
@@ -287,7 +296,7 @@ def main() -> None:
         f"\ndecode-step matmuls, bf16, {os.path.basename(args.config)}; {hw.get('gpu')}; copy bandwidth "
         f"{bandwidth / 1e9:.0f} GB/s; {args.calls} products per CUDA graph, best of {args.repeats}"
     )
-    labels = ("cublas", "cublaslt", "gemv", "gemv+pdl", "gemv+pdl+ahead2")
+    labels = ("cublas", "cublaslt", "gemv", "gemv+pdl", "gemv+pdl+ahead2", "gemv+silu", "gated")
     us_w = {label: max(13, len(label) + 4) for label in labels}
     bw_w = {label: max(10, len(label) + 1) for label in labels}
     print(

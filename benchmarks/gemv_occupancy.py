@@ -2,8 +2,9 @@
 
 For every weight a decode step reads (bench_gemv.decode_shapes of --config) and each x of M rows (--rows),
 compiles the kernel the engine launches (M = 1: `_gemv_kernel` with pick_config's tile; 2..MAX_ROWS:
-`_rows_kernel` with pick_rows_config's, once per --prefetch), specialized as Triton specializes it at run
-time (pointers 16-byte aligned, sizes and strides divisible by 16), and reports:
+`_rows_kernel` with pick_rows_config's, once per --prefetch; gate_up: their gated form, `gemv_silu_mul`),
+specialized as Triton specializes it at run time (pointers 16-byte aligned, sizes and strides divisible by 16),
+and reports:
 
   regs      registers per thread (cuobjdump of the cubin); stack: bytes of local memory per thread (spills)
   smem      shared memory per program (layout conversions of the dot operands)
@@ -59,9 +60,10 @@ def _resources(cubin: bytes) -> Dict[str, int]:
     return {key: int(re.search(rf"{key.upper()}:(\d+)", out).group(1)) for key in ("reg", "stack")}
 
 
-def compile_tile(m: int, n: int, k: int, config, arch: int) -> Dict[str, int]:
+def compile_tile(m: int, n: int, k: int, config, arch: int, gated: bool = False) -> Dict[str, int]:
     """Compile the kernel `gemv` runs for x (m, k) @ W (n, k)^T in bf16 with `config` (a GemvConfig for m = 1,
-    a RowsConfig above) for sm_`arch`, PDL on; returns regs, stack, smem and the launch's programs."""
+    a RowsConfig above) for sm_`arch`, PDL on (gated: `gemv_silu_mul`'s, W = [gate | up]); returns regs, stack,
+    smem and the launch's programs."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -70,7 +72,7 @@ def compile_tile(m: int, n: int, k: int, config, arch: int) -> Dict[str, int]:
 
     if m == 1:
         kernel, pointers, ints = _gemv_kernel, ("X", "W", "B", "Y"), ("N", "K", "stride_wn")
-        constexprs = dict(HAS_BIAS=False, EVEN_K=k % config.block_k == 0, GATED=False, BLOCK_N=config.block_n)
+        constexprs = dict(HAS_BIAS=False, EVEN_K=k % config.block_k == 0, GATED=gated, BLOCK_N=config.block_n)
         constexprs.update(BLOCK_K=config.block_k, USE_PDL=True)
         programs, stages = triton.cdiv(n, config.block_n), 1
     else:
@@ -79,7 +81,7 @@ def compile_tile(m: int, n: int, k: int, config, arch: int) -> Dict[str, int]:
         ints = ("M", "N", "K", "stride_xm", "stride_wn", "stride_ym")
         split, even_k, ahead = rows_launch(k, config)
         constexprs = dict(
-            HAS_BIAS=False, EVEN_K=even_k, DOT="mma", GATED=False, BLOCK_M=max(16, triton.next_power_of_2(m))
+            HAS_BIAS=False, EVEN_K=even_k, DOT="mma", GATED=gated, BLOCK_M=max(16, triton.next_power_of_2(m))
         )
         constexprs.update(BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, PREFETCH=ahead, USE_PDL=True)
         programs, stages = triton.cdiv(n, config.block_n) * split, config.num_stages
@@ -138,15 +140,16 @@ def main() -> None:
                 else [pick_rows_config(n, k, torch.bfloat16)._replace(prefetch=a) for a in args.prefetch]
             )
             for config in configs:
-                r = compile_tile(m, n, k, config, args.arch)
+                r = compile_tile(m, n, k, config, args.arch, gated=name == "gate_up")
                 per_sm = programs_per_sm(r["reg"], config.num_warps, r["smem"])
                 ahead = getattr(config, "prefetch", 1)
                 resident = min(per_sm, r["programs"] / args.sms)
                 in_flight = resident * ahead * config.block_n * config.block_k * 2
                 row = dict(
-                    weight=name, m=m, n=n, k=k, config=config._asdict(), registers=r["reg"], stack_bytes=r["stack"]
+                    weight=name, m=m, n=n, k=k, config=config._asdict(), gated=name == "gate_up", registers=r["reg"]
                 )
                 row.update(
+                    stack_bytes=r["stack"],
                     smem_bytes=r["smem"],
                     programs=r["programs"],
                     programs_per_sm=per_sm,

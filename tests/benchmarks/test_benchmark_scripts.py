@@ -48,6 +48,7 @@ def run_script(name, *args):
         "bench_gemm_power.py",
         "bench_prefill_attention.py",
         "gemv_occupancy.py",
+        "ab_decode.py",
     ],
 )
 def test_help(name):
@@ -510,8 +511,68 @@ def test_gemv_occupancy_compiles_the_engines_tiles_without_a_gpu(tmp_path):
     ]
     for r in rows:
         assert 0 < r["registers"] <= 255 and r["programs_per_sm"] >= 1 and r["programs"] >= 1
+        assert r["gated"] == (r["weight"] == "gate_up")  # the engine runs gate_up with its SiLU epilogue
     qkv = {r["config"]["prefetch"]: r for r in rows if r["weight"] == "qkv"}
     assert qkv[2]["weight_bytes_in_flight_per_sm"] > qkv[1]["weight_bytes_in_flight_per_sm"]
+
+
+FAKE_BENCH_DECODE = """
+import argparse, json, os
+p = argparse.ArgumentParser()
+p.add_argument("--batch-sizes", type=int, nargs="+")
+p.add_argument("--scale", type=float, default=1.0)
+p.add_argument("--out")
+a = p.parse_args()
+here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+value = float(open(os.path.join(here, "STEP_MS")).read()) * a.scale
+with open(os.environ["AB_ORDER"], "a") as f:
+    f.write(f"{here} {value}\\n")
+rows = [dict(batch_size=b, step_ms=value, gpu_ms=value * b, roofline_ms=1.0) for b in a.batch_sizes]
+json.dump(dict(results=rows), open(a.out, "w"))
+"""
+
+
+def test_ab_decode_interleaves_arms_on_patched_copies_and_compares_to_the_first(tmp_path):
+    """Each round runs every arm once, in order; a patched arm runs its own copy of the tree (the patch applied
+    there, not in the source); flags reach only their arm; the table's ratios are over the first arm's mean.
+    The source tree's bench_decode.py is a stand-in that reads its tree's STEP_MS (no GPU here)."""
+    src = tmp_path / "src"
+    (src / "benchmarks").mkdir(parents=True)
+    (src / "benchmarks" / "bench_decode.py").write_text(FAKE_BENCH_DECODE)
+    (src / "STEP_MS").write_text("4.0\n")
+    patch = tmp_path / "faster.patch"
+    patch.write_text("--- a/STEP_MS\n+++ b/STEP_MS\n@@ -1 +1 @@\n-4.0\n+3.0\n")
+    order, out = tmp_path / "order.txt", tmp_path / "ab.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "ab_decode.py"), "--source", str(src)]
+        + ["--arm", "base", "--arm", f"faster={patch}", "--arm", "slower=:--scale 2", "--rounds", "2"]
+        + ["--trees-dir", str(tmp_path / "trees"), "--out", str(out), "--", "--batch-sizes", "1", "8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, AB_ORDER=str(order)),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (src / "STEP_MS").read_text() == "4.0\n"  # the source is left as it was
+    ran = [line.split() for line in order.read_text().splitlines()]
+    trees = [str(src), str(tmp_path / "trees" / "faster"), str(src)]
+    assert ran == [[t, v] for t, v in zip(trees, ["4.0", "3.0", "8.0"])] * 2
+    record = json.loads(out.read_text())
+    assert [(r["arm"], r["round"]) for r in record["runs"]] == [
+        (a, r) for r in (1, 2) for a in ("base", "faster", "slower")
+    ]
+    assert record["arms"][1]["patch"] == "faster.patch" and record["arms"][2]["flags"] == ["--scale", "2"]
+    table = "\n".join(record["table"])
+    assert "batch   8  base: 32.000 / 32.000 (1.000)  faster: 24.000 / 24.000 (0.750)" in table
+    assert "slower: 64.000 / 64.000 (2.000)" in table
+
+
+def test_ab_decode_refuses_bad_arms(tmp_path):
+    for spec, message in (("=x", "empty name"), ("a=missing.patch", "no patch file")):
+        proc = run_script("ab_decode.py", "--arm", spec, "--out", str(tmp_path / "x.json"))
+        assert proc.returncode != 0 and message in proc.stderr
+    proc = run_script("ab_decode.py", "--arm", "a", "--arm", "a", "--out", str(tmp_path / "x.json"))
+    assert proc.returncode != 0 and "must differ" in proc.stderr
 
 
 def test_bench_gemv_shapes_are_one_ranks_share():
