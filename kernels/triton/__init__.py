@@ -15,6 +15,16 @@ against; kernels/attention/triton.py (TritonAttnBackend) calls them. Slot indice
 """
 
 
+def interpreted(kernel) -> bool:
+    """Whether `kernel`, a @triton.jit function, runs under Triton's interpreter (TRITON_INTERPRET, read by
+    triton.jit when the kernel was defined) rather than compiled."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        return False
+    return isinstance(kernel, InterpretedFunction)
+
+
 def fix_interpreter_scalar_index() -> None:
     """Make the Triton interpreter (TRITON_INTERPRET=1, used on CPU) work with numpy >= 2.4.
 

@@ -44,14 +44,13 @@ intermediate.
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.triton import pdl
+from kernels.triton import interpreted, pdl
 from kernels.triton.fused_layers import silu_mul
 
 
@@ -286,6 +285,9 @@ def _rows_kernel(
             tl.atomic_xchg(LOCKS + pid_n, 0)
 
 
+_INTERPRETED = interpreted(_rows_kernel)
+
+
 @functools.lru_cache(maxsize=None)
 def pick_config(n: int, k: int, dtype: torch.dtype) -> GemvConfig:
     """Tile shape for an (n, k) weight: a fixed function of the shape, so results never depend on timing.
@@ -364,6 +366,8 @@ def gemv_silu_mul(
     silu_and_mul round."""
     if weight.shape[0] % 2:
         raise ValueError(f"gemv_silu_mul: weight has {weight.shape[0]} rows, not [gate | up] of equal halves")
+    if config is not None and config.block_n % 2:
+        raise ValueError(f"gemv_silu_mul: a tile of {config.block_n} rows cannot hold (gate, up) pairs")
     return _launch(x, weight, bias, x.dtype, config, gated=True)
 
 
@@ -428,8 +432,9 @@ def _split_locks(device: torch.device, n_blocks: int) -> torch.Tensor:
 
 
 def _dot_mode(dtype: torch.dtype) -> str:
-    """`_dot_acc`'s DOT for x of `dtype`."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    """`_dot_acc`'s DOT for x of `dtype`: "sum" where the kernel runs under Triton's interpreter (decided when
+    it was defined, from TRITON_INTERPRET), else the tensor-core dot, exact in float32 for float32 inputs."""
+    if _INTERPRETED:
         return "sum"
     return "ieee" if dtype == torch.float32 else "mma"
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import threading
 from typing import Iterator
 
@@ -40,7 +39,9 @@ def set_enabled(on: bool) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _supported(device_index: int) -> bool:
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    from triton import knobs  # noqa: PLC0415  (imported where a launch asks: triton is loaded by then)
+
+    if knobs.runtime.interpret:  # TRITON_INTERPRET, as Triton itself parses it
         return False
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 

@@ -181,6 +181,8 @@ def test_gemv_silu_mul_vector_input_and_bad_shapes():
         gemv_silu_mul(x, w[:47])
     with pytest.raises(ValueError, match="columns"):
         gemv_silu_mul(randn(2, 63, dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match="pairs"):
+        gemv_silu_mul(x, w, config=GemvConfig(1, 64, 1))
 
 
 def test_gemv_rows_float32_logits_and_bad_row_counts():
@@ -366,6 +368,18 @@ def test_gpu_gemv_silu_mul_llama3_8b_bit_for_bit(m, d, prefetch):
     w = randn(2 * d, 4096, dtype=torch.bfloat16, seed=1, scale=4096**-0.5)
     cfg = None if m == 1 else pick_rows_config(2 * d, 4096, torch.bfloat16)._replace(prefetch=prefetch)
     assert torch.equal(gemv_silu_mul(x, w, config=cfg), silu_and_mul(gemv(x, w, config=cfg)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize("k,d", [(576, 1536), (896, 4864), (2048, 8192)])  # small models' MLPs
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_gemv_silu_mul_other_shapes_dtypes_and_bias(m, k, d, dtype):
+    """Compiled, K not a multiple of the tile (576, 896), fp16 and a bias: still the two kernels' bits."""
+    x = randn(m, k, dtype=dtype)
+    w = randn(2 * d, k, dtype=dtype, seed=1, scale=k**-0.5)
+    b = randn(2 * d, dtype=dtype, seed=2)
+    assert torch.equal(gemv_silu_mul(x, w, b), silu_and_mul(gemv(x, w, b)))
 
 
 @pytest.mark.gpu
