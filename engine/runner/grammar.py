@@ -100,6 +100,8 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._compiler: Any = None
         self._llg: Any = None
+        self._llg_problem: Optional[str] = None
+        """Why llguidance's table of this tokenizer was refused (token_bytes_mismatch), once found."""
         self.stats = dict(hits=0, compiles=0)
 
     def compile(self, params: SamplingParams) -> Optional[Any]:
@@ -145,7 +147,7 @@ class GrammarCompiler:
 
     def _llg_tokenizer(self, kind: str) -> Any:
         with self._lock:
-            if self._llg is None:
+            if self._llg is None and self._llg_problem is None:
                 import llguidance.hf  # noqa: PLC0415
 
                 try:
@@ -156,10 +158,15 @@ class GrammarCompiler:
                 except Exception as exc:  # noqa: BLE001 - reported to the caller as unsupported
                     problem = str(exc)
                 if problem:
-                    raise InvalidRequestError(
-                        f"structured output is not supported for this tokenizer: {problem}", param=kind
-                    )
-                self._llg = llg
+                    # Kept: the tokenizer does not change, so later requests are refused without rebuilding the table.
+                    self._llg_problem = problem
+                    logger.warning("JSON schemas and Lark grammars are refused: %s (%s)", problem, _library_versions())
+                else:
+                    self._llg = llg
+            if self._llg_problem is not None:
+                raise InvalidRequestError(
+                    f"structured output is not supported for this tokenizer: {self._llg_problem}", param=kind
+                )
             return self._llg
 
     def _compile(self, key: GrammarKey) -> Any:
@@ -217,6 +224,20 @@ def token_bytes_mismatch(decode_bytes: Any, hf_tokenizer: Any) -> Optional[str]:
     if got in (want, b" " + want):
         return None
     return f"the grammar backend reads {want!r} as {got!r} (its byte table disagrees with the tokenizer)"
+
+
+def _library_versions() -> str:
+    """The installed versions that build llguidance's byte table, for the operator's log: a transformers other
+    than the one pyproject.toml pins can load a tokenizer whose internals llguidance reads differently."""
+    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+
+    found = []
+    for name in ("transformers", "tokenizers", "llguidance"):
+        try:
+            found.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            found.append(f"{name} not installed")
+    return ", ".join(found) + "; pyproject.toml pins the versions this check passes with"
 
 
 @dataclass(frozen=True)

@@ -247,3 +247,28 @@ def test_grammar_byte_table_is_checked_against_the_tokenizer(default_engine):
     assert token_bytes_mismatch(dummy_prefix, tokenizer) is None
     problem = token_bytes_mismatch(unmapped, tokenizer)
     assert problem is not None and "disagrees with the tokenizer" in problem and "\\xc4\\xa0" in problem
+
+
+def test_a_misread_byte_table_refuses_by_name_and_logs_the_library_versions(default_engine, monkeypatch, caplog):
+    """When the check fails, the request gets an InvalidRequestError naming its field (HTTP 400), the server's log
+    names the installed transformers / tokenizers / llguidance (what decides the table) once, and later
+    requests are refused without rebuilding the table."""
+    import logging
+
+    import engine.runner.grammar as grammar
+
+    used = default_engine.local_core.grammar
+    compiler = grammar.GrammarCompiler(used.hf_tokenizer, used.vocab_size, used.stop_token_ids)
+    monkeypatch.setattr(grammar, "token_bytes_mismatch", lambda decode, tok: "its byte table disagrees")
+    with caplog.at_level(logging.WARNING, logger="engine.runner.grammar"):
+        with pytest.raises(InvalidRequestError) as err:
+            compiler.compile(SamplingParams(max_new_tokens=4, json_schema='{"type": "object"}'))
+    assert err.value.param == "json_schema" and "not supported for this tokenizer" in str(err.value)
+    logged = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(logged) == 1 and "transformers " in logged[0] and "llguidance " in logged[0]
+    # The next request is refused the same way, without building the table or logging again.
+    monkeypatch.setattr(grammar, "token_bytes_mismatch", lambda decode, tok: pytest.fail("checked again"))
+    with pytest.raises(InvalidRequestError, match="its byte table disagrees") as err:
+        compiler.compile(SamplingParams(max_new_tokens=4, lark="start: /[a-z]+/"))
+    assert err.value.param == "lark"
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
