@@ -292,6 +292,35 @@ def profile(bench: DecodeBench, bs: int, steps: int = 20) -> None:
     print(f"\nprofile of {steps} decode steps at batch size {bs} (by host time):\n{table}")
 
 
+PRODUCTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+"""The decode step's products by the name of their Linear (lm_head: the logits, tied or not)."""
+
+
+def override_gemv_products(products: List[str]) -> Dict[str, int]:
+    """Keep the named products (PRODUCTS) on the GEMV kernels at one row only: their products of 2..gemv_max_rows
+    rows go to cuBLAS (cuBLASLt up to cublaslt_max_rows), the rest of the step as the engine runs it. Patches
+    the runner's `set_gemv`, so it must run before the engine is built (it captures its CUDA graphs then).
+    Returns the number of modules changed per product, filled in when the engine is built."""
+    import engine.runner.model_runner as runner_module
+
+    unknown = sorted(set(products) - set(PRODUCTS))
+    if unknown:
+        raise ValueError(f"--cublas-products: unknown {unknown}; choose from {list(PRODUCTS)}")
+    changed = {name: 0 for name in products}
+    set_gemv = runner_module.set_gemv
+
+    def patched(model, max_rows: int) -> None:
+        set_gemv(model, max_rows)
+        for qualified, module in model.named_modules():
+            name = "lm_head" if qualified == "" else qualified.rsplit(".", 1)[-1]  # the root's gemv_rows: logits
+            if name in changed and hasattr(module, "gemv_rows"):
+                module.gemv_rows = min(module.gemv_rows, 1)
+                changed[name] += 1
+
+    runner_module.set_gemv = patched
+    return changed
+
+
 def override_rows_tiles(
     prefetch: Optional[int], sweep_paths: Optional[List[str]], prefetch_shapes: Optional[List[str]] = None
 ) -> Dict[str, Dict]:
@@ -385,6 +414,14 @@ def main() -> None:
         help="bench_gemv.py --sweep JSONs: the rows kernel takes each swept shape's fastest tile (PDL on)",
     )
     p.add_argument(
+        "--cublas-products",
+        nargs="+",
+        default=None,
+        metavar="PRODUCT",
+        help=f"these products ({' '.join(PRODUCTS)}) keep the GEMV kernels at one row only; from 2 rows cuBLAS "
+        "runs them (to time a per-product choice in whole decode steps)",
+    )
+    p.add_argument(
         "--engine-tpot",
         action="store_true",
         help="also measure an Engine's batch-1 time per output token (as the vLLM peer measures it)",
@@ -411,6 +448,7 @@ def main() -> None:
     rows_tiles = None
     if args.gemv_rows_prefetch is not None or args.gemv_tiles:
         rows_tiles = override_rows_tiles(args.gemv_rows_prefetch, args.gemv_tiles, args.gemv_rows_prefetch_shapes)
+    cublas_products = override_gemv_products(args.cublas_products) if args.cublas_products else None
     with open(args.config) as f:
         cfg = json.load(f)
     folder = tempfile.mkdtemp(prefix="bench-decode-")
@@ -491,6 +529,8 @@ def main() -> None:
     )
     if rows_tiles is not None:
         print(f"rows kernel tiles (--gemv-rows-prefetch / --gemv-tiles): {rows_tiles}")
+    if cublas_products is not None:
+        print(f"cuBLAS from 2 rows (--cublas-products), modules changed: {cublas_products}")
     cols = [
         "batch_size",
         "step_ms",
@@ -529,6 +569,7 @@ def main() -> None:
                 cublaslt_max_rows=args.cublaslt_max_rows,
                 pdl=not args.disable_pdl,
                 gemv_rows_tiles=rows_tiles,
+                cublas_products=cublas_products,
                 startup_s=startup,
                 results=rows,
                 engine_tpot=tpot,

@@ -738,3 +738,28 @@ def test_bench_prefill_attention_reads_steps_and_counts_causal_pairs():
     for bad in ("0", "2@-1", "x"):
         with pytest.raises(ValueError):
             bpa.parse_step(bad)
+
+
+def test_bench_decode_cublas_products_keep_only_one_row_on_the_gemv_kernels(tmp_path, monkeypatch):
+    """--cublas-products qkv_proj lm_head: the runner built afterwards takes the GEMV kernels for those products
+    at one row only (every layer's qkv, and the logits); the other products keep the engine's rows."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_decode
+
+    import engine.runner.model_runner as runner_module
+    from engine.config import EngineConfig
+    from engine.models.source import resolve_model
+
+    monkeypatch.setattr(runner_module, "set_gemv", runner_module.set_gemv)  # restored after the test
+    with pytest.raises(ValueError, match="unknown"):
+        bench_decode.override_gemv_products(["qkv"])
+    changed = bench_decode.override_gemv_products(["qkv_proj", "lm_head"])
+    folder = write_tiny_config(tmp_path)
+    config = EngineConfig(model=folder, load_format="dummy", skip_tokenizer_init=True, dtype="float32", device="cpu")
+    model = runner_module.ModelRunner(config, resolve_model(folder)).model
+    layers = model.model.layers
+    # the logits: the model's own gemv_rows, and the lm_head Linear where the embeddings are not tied
+    assert changed == {"qkv_proj": len(layers), "lm_head": 1 + (not model.tie_word_embeddings)}
+    assert model.gemv_rows == 1 and all(layer.self_attn.qkv_proj.gemv_rows == 1 for layer in layers)
+    assert all(layer.self_attn.o_proj.gemv_rows == config.gemv_max_rows for layer in layers)
+    assert all(layer.mlp.gate_up_proj.gemv_rows == config.gemv_max_rows for layer in layers)
