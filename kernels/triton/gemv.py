@@ -317,7 +317,9 @@ def pick_rows_config(n: int, k: int, dtype: torch.dtype) -> RowsConfig:
     """Tile of the rows kernel for an (n, k) weight: a fixed function of the shape (no autotuning).
 
     From `benchmarks/bench_gemv.py --rows 8 --sweep` on an H100 and an H200 (Llama-3.1-8B's shapes, bf16, PDL
-    on; each the best tile or within ~1% of it on both), so that enough programs stream at once:
+    on; each the best tile or within ~1% of it on the H100, and on the H200 except qkv, whose tile a later H200
+    sweep ranks behind others and behind cuBLAS: benchmarks/README.md, "Decode steps and GEMV"), so that enough
+    programs stream at once:
       many rows (n >= 16384: gate_up, lm_head): 128 rows per program, 128-element K tiles, 3 stages;
       n > 4096 (qkv): 16 rows, 256-element tiles, 3 stages;
       otherwise (o, down: 4096 rows, only 256 programs of 16 rows): 32 rows and K split in 4 (512
