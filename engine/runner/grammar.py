@@ -102,6 +102,8 @@ class GrammarCompiler:
         self._llg: Any = None
         self._llg_problem: Optional[str] = None
         """Why llguidance's table of this tokenizer was refused (token_bytes_mismatch), once found."""
+        self._xgr_problem: Optional[str] = None
+        """Why xgrammar could not read this tokenizer (its TokenizerInfo failed), once found."""
         self.stats = dict(hits=0, compiles=0)
 
     def compile(self, params: SamplingParams) -> Optional[Any]:
@@ -131,18 +133,26 @@ class GrammarCompiler:
 
     def _xgrammar_compiler(self, kind: str) -> Any:
         with self._lock:
-            if self._compiler is None:
+            if self._compiler is None and self._xgr_problem is None:
                 import xgrammar as xgr  # noqa: PLC0415  (slow import: only once a grammar is used)
 
                 try:
                     info = xgr.TokenizerInfo.from_huggingface(
                         self.hf_tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None
                     )
+                    self._compiler = xgr.GrammarCompiler(info, max_threads=self.max_threads)
                 except Exception as exc:  # noqa: BLE001 - reported to the caller as unsupported
-                    raise InvalidRequestError(
-                        f"structured output is not supported for this tokenizer: {exc}", param=kind
-                    ) from exc
-                self._compiler = xgr.GrammarCompiler(info, max_threads=self.max_threads)
+                    # Kept, as llguidance's: the tokenizer does not change, so retrying would fail the same way.
+                    self._xgr_problem = str(exc) or repr(exc)
+                    logger.warning(
+                        "regex and EBNF constraints are refused: xgrammar cannot read the tokenizer: %s (%s)",
+                        self._xgr_problem,
+                        _library_versions("xgrammar"),
+                    )
+            if self._xgr_problem is not None:
+                raise InvalidRequestError(
+                    f"structured output is not supported for this tokenizer: {self._xgr_problem}", param=kind
+                )
             return self._compiler
 
     def _llg_tokenizer(self, kind: str) -> Any:
@@ -160,7 +170,9 @@ class GrammarCompiler:
                 if problem:
                     # Kept: the tokenizer does not change, so later requests are refused without rebuilding the table.
                     self._llg_problem = problem
-                    logger.warning("JSON schemas and Lark grammars are refused: %s (%s)", problem, _library_versions())
+                    logger.warning(
+                        "JSON schemas and Lark grammars are refused: %s (%s)", problem, _library_versions("llguidance")
+                    )
                 else:
                     self._llg = llg
             if self._llg_problem is not None:
@@ -226,13 +238,14 @@ def token_bytes_mismatch(decode_bytes: Any, hf_tokenizer: Any) -> Optional[str]:
     return f"the grammar backend reads {want!r} as {got!r} (its byte table disagrees with the tokenizer)"
 
 
-def _library_versions() -> str:
-    """The installed versions that build llguidance's byte table, for the operator's log: a transformers other
-    than the one pyproject.toml pins can load a tokenizer whose internals llguidance reads differently."""
+def _library_versions(backend: str) -> str:
+    """The installed versions that decide how a grammar backend (llguidance, xgrammar) reads the tokenizer, for
+    the operator's log: a transformers other than the one pyproject.toml pins can load a tokenizer whose
+    internals the backend reads differently."""
     from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
 
     found = []
-    for name in ("transformers", "tokenizers", "llguidance"):
+    for name in ("transformers", "tokenizers", backend):
         try:
             found.append(f"{name} {version(name)}")
         except PackageNotFoundError:

@@ -272,3 +272,32 @@ def test_a_misread_byte_table_refuses_by_name_and_logs_the_library_versions(defa
         compiler.compile(SamplingParams(max_new_tokens=4, lark="start: /[a-z]+/"))
     assert err.value.param == "lark"
     assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+
+
+def test_a_tokenizer_xgrammar_cannot_read_refuses_regex_and_ebnf_once_logged(default_engine, monkeypatch, caplog):
+    """When xgrammar cannot build its tokenizer table, regex and EBNF requests get an InvalidRequestError naming
+    their field, the log names the versions once, and later requests are refused without retrying xgrammar."""
+    import logging
+
+    import xgrammar
+
+    import engine.runner.grammar as grammar
+
+    used = default_engine.local_core.grammar
+    compiler = grammar.GrammarCompiler(used.hf_tokenizer, used.vocab_size, used.stop_token_ids)
+    calls = []
+
+    def unreadable(*args, **kwargs):
+        calls.append(1)
+        raise ValueError("no byte-level decoder found")
+
+    monkeypatch.setattr(xgrammar.TokenizerInfo, "from_huggingface", unreadable)
+    with caplog.at_level(logging.WARNING, logger="engine.runner.grammar"):
+        with pytest.raises(InvalidRequestError, match="no byte-level decoder found") as err:
+            compiler.compile(SamplingParams(max_new_tokens=4, regex="[a-z]+"))
+        assert err.value.param == "regex" and "not supported for this tokenizer" in str(err.value)
+        with pytest.raises(InvalidRequestError, match="no byte-level decoder found") as err:
+            compiler.compile(SamplingParams(max_new_tokens=4, ebnf='root ::= "a"'))
+    assert err.value.param == "ebnf" and calls == [1]
+    logged = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(logged) == 1 and "xgrammar " in logged[0] and "transformers " in logged[0]
