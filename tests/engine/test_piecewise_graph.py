@@ -1,6 +1,7 @@
 """PiecewiseGraphRunner's plumbing on CPU (pieces run eagerly through its static buffers): a prefill or mixed
 step through the pieces gives the model's own forward, with and without padding to a token bucket, and
-writes the same K/V. The captured graphs themselves run on CUDA only (tests/engine/test_gpu_engine.py)."""
+writes the same K/V. On CUDA (`-m gpu`): the captured pieces give the eager pieces' bits; the engine's
+outputs with them: tests/engine/test_gpu_engine.py."""
 
 from __future__ import annotations
 
@@ -17,27 +18,30 @@ from engine_harness import TINY_LLAMA, write_tiny_config
 CONTEXT = 20  # cached tokens of each decoding request
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
-def runner(request, tmp_path_factory):
-    """A float32 CPU ModelRunner of a tiny dummy model (Qwen3: q/k norms) whose KV pool is random."""
-    folder = tmp_path_factory.mktemp(f"tiny-{request.param}")
-    qwen3 = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"]) if request.param == "qwen3" else {}
+def _tiny_runner(folder, family: str, **config) -> ModelRunner:
+    """A ModelRunner of a tiny dummy model (Qwen3: q/k norms) whose KV pool is random."""
+    qwen3 = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"]) if family == "qwen3" else {}
     model = write_tiny_config(folder, **qwen3)
     cfg = EngineConfig(
         model=model,
         load_format="dummy",
         skip_tokenizer_init=True,
-        dtype="float32",
-        device="cpu",
         max_running_requests=16,
         max_total_tokens=4096,
+        **config,
     )
     torch.manual_seed(0)
     r = ModelRunner(cfg, resolve_model(model))
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=r.device).manual_seed(0)
     for buf in r.kv_pool.k_buffers + r.kv_pool.v_buffers:
         buf.normal_(0.0, 1.0, generator=gen)
     return r
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def runner(request, tmp_path_factory):
+    """A float32 CPU ModelRunner of a tiny dummy model whose KV pool is random."""
+    return _tiny_runner(tmp_path_factory.mktemp(f"tiny-{request.param}"), request.param, dtype="float32", device="cpu")
 
 
 def _batch(runner, decodes: int, prompt_lens):
@@ -136,3 +140,40 @@ def test_on_by_default_its_bound_checked_and_tensor_parallel_refused_by_the_runn
             PiecewiseGraphRunner(runner.model, 16, runner.device, capture=False)
     finally:
         runner.model.tp = own
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize(
+    "decodes, prompt_lens",
+    [(0, [8]), (3, [17]), (4, [30, 9]), (5, [100]), (8, [56])],
+    ids=["one", "mixed", "two", "bucket-112", "full-64"],
+)
+def test_gpu_captured_pieces_give_the_eager_pieces_bits(tmp_path, family, decodes, prompt_lens):
+    """bf16 on CUDA: the same step through captured pieces and through the same pieces run eagerly (same
+    kernels, same padded size) gives the same hidden states and the same K/V, bit for bit. What the graphs
+    read and write between pieces (the static buffers, attention's output) is therefore where the eager
+    pieces have it, in every bucket (graphs share one memory pool). A step that fills its bucket also gives
+    the model's own forward, bit for bit."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    runner = _tiny_runner(tmp_path, family, dtype="bfloat16", device="cuda", disable_cuda_graph=True)
+    captured = PiecewiseGraphRunner(runner.model, 128, runner.device)
+    eager = PiecewiseGraphRunner(runner.model, 128, runner.device, capture=False)
+    fb = _batch(runner, decodes, prompt_lens)
+    pool = runner.kv_pool
+    with torch.inference_mode():
+        results = []
+        for pieces in (captured, eager, captured, None):  # captured again: a replay after other work
+            for k, v in _kv(pool):
+                k[fb.out_cache_loc] = 0
+                v[fb.out_cache_loc] = 0
+            fb.attn_backend.init_forward_metadata(fb)
+            hidden = (runner.model(fb) if pieces is None else pieces.forward(fb)).clone()
+            results.append((hidden, [(k[fb.out_cache_loc].clone(), v[fb.out_cache_loc].clone()) for k, v in _kv(pool)]))
+    assert captured.graphs and not eager.graphs
+    if captured.padded_size(fb.num_tokens) != fb.num_tokens:  # the model's forward multiplies fewer rows
+        results.pop()
+    for hidden, kv in results[1:]:
+        assert torch.equal(hidden, results[0][0])
+        assert all(torch.equal(a, b) for got, want in zip(kv, results[0][1]) for a, b in zip(got, want))
