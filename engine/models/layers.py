@@ -182,13 +182,18 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-        """x, residual: (T, hidden). Returns (normed, new_residual), both (T, hidden)."""
+    def forward(
+        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, residual_out: Optional[torch.Tensor] = None
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """x, residual: (T, hidden). Returns (normed, new_residual), both (T, hidden); new_residual is
+        `residual_out` (contiguous (T, hidden), written) when given."""
         fused = _fused(x)
         if residual is not None and fused is not None and self.weight.dtype == x.dtype == residual.dtype:
-            return fused.fused_add_rmsnorm(x, residual, self.weight, self.eps)
+            return fused.fused_add_rmsnorm(x, residual, self.weight, self.eps, residual_out)
         if residual is not None:
             x = x + residual
+        if residual_out is not None:
+            x = residual_out.copy_(x)
         return self.normalize(x), x
 
 
@@ -262,14 +267,22 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def apply_qk(
-        q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """q (T, H, D) and k (T, Hkv, D) rotated by cos/sin from `cos_sin`: one fused launch on CUDA
-        (new contiguous tensors), two `apply` calls elsewhere."""
+        (new contiguous tensors), two `apply` calls elsewhere. `out` (q_out, k_out): contiguous tensors of
+        q's and k's shapes, not overlapping them, that receive the results (returned)."""
         fused = _fused(q)
         if fused is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
-            return fused.rope(q, k, cos, sin)
-        return RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+            return fused.rope(q, k, cos, sin, out)
+        rotated = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+        if out is None:
+            return rotated
+        return out[0].copy_(rotated[0]), out[1].copy_(rotated[1])
 
 
 class SiluAndMul(nn.Module):

@@ -122,10 +122,15 @@ class LlamaAttention(nn.Module):
         return TensorSlice(0, h.kv_start * d, h.kv_end * d)
 
     def project_qkv(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        out: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (T, hidden); cos/sin (T, 1, head_dim) -> q (T, H, D), k and v (T, Hkv, D): projected, q/k
-        normed (Qwen3) and rotated; what the attention backend takes."""
+        normed (Qwen3) and rotated; what the attention backend takes. `out`: contiguous (q, k, v) tensors of
+        those shapes that receive them (the rotation writes q and k there directly)."""
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(T, self.num_heads, self.head_dim)
@@ -133,8 +138,11 @@ class LlamaAttention(nn.Module):
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
         if self.has_qk_norm:
             q, k = self.q_norm.normalize(q), self.k_norm.normalize(k)
-        q, k = RotaryEmbedding.apply_qk(q, k, cos, sin)
-        return q, k, v
+        if out is None:
+            q, k = RotaryEmbedding.apply_qk(q, k, cos, sin)
+            return q, k, v
+        q, k = RotaryEmbedding.apply_qk(q, k, cos, sin, out[:2])
+        return q, k, out[2].copy_(v)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x (T, hidden); cos/sin (T, 1, head_dim) -> (T, hidden)."""
@@ -205,12 +213,18 @@ class LlamaDecoderLayer(nn.Module):
     # (engine/runner/piecewise_graph.py): before_attention, the backend's forward, o_proj, after_attention
     # compute what forward computes.
     def before_attention(
-        self, x: torch.Tensor, residual: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor
+        self,
+        x: torch.Tensor,
+        residual: Optional[torch.Tensor],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        out: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x, residual (T, hidden; residual None in the first layer) -> q, k, v (project_qkv) and the
-        residual stream after this layer's input norm."""
-        x, residual = self.input_layernorm(x, residual)
-        q, k, v = self.self_attn.project_qkv(x, cos, sin)
+        residual stream after this layer's input norm. `out`: contiguous (q, k, v, residual) tensors that
+        receive them (returned), e.g. a runner's static buffers; `residual` must not be one of them."""
+        x, residual = self.input_layernorm(x, residual, None if out is None else out[3])
+        q, k, v = self.self_attn.project_qkv(x, cos, sin, None if out is None else out[:3])
         return q, k, v, residual
 
     def after_attention(self, x: torch.Tensor, residual: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,10 @@ captures, for every token bucket (`token_buckets`), L + 1 graphs of a model with
 
 The pieces hand each other their tensors through static buffers allocated outside the graphs (the rotary
 angles piece 0 computes, q, k, v, the attention output, the residual stream, the final hidden states), so
-each graph's temporaries are its own and the graphs share one memory pool. Attention sees the real T rows
+each graph's temporaries are its own and the graphs share one memory pool. The kernels that make those
+tensors write them there directly: the last input norm of a piece writes the residual stream, the rotary
+kernel q and k, and the backend's attention its output (`out=`); only v (a slice of the qkv product), the
+first piece's residual stream and angles, and the last piece's hidden states are copied. Attention sees the real T rows
 only: the padding rows' values pass through the row-wise layers (norms, matmuls, rope, MLP) and never
 reach a real row, and no padding row's K/V is written. A bucket's graphs run the same matmuls on `padded`
 rows as an eager step of that many tokens would; within a bucket, T real rows are computed as in an eager
@@ -115,8 +118,8 @@ class PiecewiseGraphRunner:
             self.positions[n:padded].zero_()
         for i, layer in enumerate(self.layers):
             self._run(padded, i)
-            out = fb.attn_backend.forward(self.q[:n], self.k[:n], self.v[:n], layer.self_attn.layer_id, fb)
-            self.attn_out[:n].copy_(out.reshape(n, -1))
+            out = self.attn_out[:n].view(n, *self.q.shape[1:])
+            fb.attn_backend.forward(self.q[:n], self.k[:n], self.v[:n], layer.self_attn.layer_id, fb, out=out)
         self._run(padded, len(self.layers))
         return self.hidden[:n]
 
@@ -144,11 +147,8 @@ class PiecewiseGraphRunner:
             cos, sin = model.rotary_emb.cos_sin(self.positions[:size], self.hidden.dtype)
             self.cos[:size].copy_(cos)
             self.sin[:size].copy_(sin)
-        q, k, v, residual = self.layers[piece].before_attention(x, residual, self.cos[:size], self.sin[:size])
-        self.q[:size].copy_(q)
-        self.k[:size].copy_(k)
-        self.v[:size].copy_(v)
-        self.residual[:size].copy_(residual)
+        out = (self.q[:size], self.k[:size], self.v[:size], self.residual[:size])
+        self.layers[piece].before_attention(x, residual, self.cos[:size], self.sin[:size], out=out)
 
     def _capture(self, size: int) -> None:
         for _ in range(2):  # compile / autotune the kernels of this size outside the capture

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import abc
 import importlib
-from typing import Callable, Dict, List, Protocol
+from typing import Callable, Dict, List, Optional, Protocol
 
 import torch
 
@@ -79,8 +79,17 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatchLike
-    ) -> torch.Tensor: ...
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        batch: ForwardBatchLike,
+        out: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """q (T, H, D), k/v (T, Hkv, D) -> (T, H, D) in q's dtype; writes k/v at batch.out_cache_loc first.
+        `out`: a contiguous (T, H, D) tensor of q's dtype, not overlapping q/k/v, that receives the result
+        (returned); otherwise the result is a new tensor."""
 
     # ---- CUDA graphs (decode) ------------------------------------------------------------------
     # A backend that supports graphs sets `supports_cuda_graph`. The graph runner then calls, for

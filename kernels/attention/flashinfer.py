@@ -278,9 +278,15 @@ class FlashInferAttnBackend(AttentionBackend):
 
     # ---- forward -----------------------------------------------------------------------------
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatchLike
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        batch: ForwardBatchLike,
+        out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """q (T, H, D), k/v (T, Hkv, D) -> (T, H, D) in q's dtype; writes k/v at batch.out_cache_loc first."""
+        """See AttentionBackend.forward."""
         from kernels.triton.store_kv import store_kv  # noqa: PLC0415
 
         if self._meta_batch is not batch:
@@ -290,11 +296,12 @@ class FlashInferAttnBackend(AttentionBackend):
         q = q if q.is_contiguous() else q.contiguous()
         cache = (k_buf.unsqueeze(1), v_buf.unsqueeze(1))  # (num_slots, page_size 1, Hkv, D)
         if q.shape[0] == 0:
-            return torch.empty_like(q)
+            return torch.empty_like(q) if out is None else out
         if self._mode == "decode":
-            return self._active_decode.run(q, cache)
+            return self._active_decode.run(q, cache) if out is None else self._active_decode.run(q, cache, out=out)
         n = self._decode_rows
-        out = torch.empty_like(q)
+        if out is None:
+            out = torch.empty_like(q)
         if n < batch.batch_size:
             self._run_prompt_rows(q[n:], k[n:], v[n:], cache, out[n:])
         if n:

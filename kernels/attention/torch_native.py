@@ -48,19 +48,25 @@ class TorchNativeAttnBackend(AttentionBackend):
         self._meta_batch = batch
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatchLike
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        batch: ForwardBatchLike,
+        out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """q (T, H, D), k/v (T, Hkv, D) -> (T, H, D) in q's dtype; writes k/v at batch.out_cache_loc first."""
+        """See AttentionBackend.forward."""
         if self._meta_batch is not batch:
             self.init_forward_metadata(batch)
         self.kv_pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = self.kv_pool.get_kv_buffer(layer_id)
         compute_dtype = _compute_dtype(q)
         if self._decode_meta is not None:
-            out = self._decode(q.to(compute_dtype), k_buf, v_buf, compute_dtype)
+            result = self._decode(q.to(compute_dtype), k_buf, v_buf, compute_dtype)
         else:
-            out = self._extend(q.to(compute_dtype), k_buf, v_buf, compute_dtype, batch)
-        return out.to(q.dtype)
+            result = self._extend(q.to(compute_dtype), k_buf, v_buf, compute_dtype, batch)
+        return result.to(q.dtype) if out is None else out.copy_(result)
 
     def _decode(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """q (bs, H, D): one token per request; all requests in two batched matmuls over padded KV.

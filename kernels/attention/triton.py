@@ -121,9 +121,15 @@ class TritonAttnBackend(AttentionBackend):
         self._decode, self._extend, self._meta_batch = self._graph_meta[batch.batch_size], None, batch
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatchLike
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        batch: ForwardBatchLike,
+        out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """q (T, H, D), k/v (T, Hkv, D) -> (T, H, D) in q's dtype; writes k/v at batch.out_cache_loc first."""
+        """See AttentionBackend.forward."""
         from kernels.triton.store_kv import store_kv
 
         if self._meta_batch is not batch:
@@ -131,7 +137,8 @@ class TritonAttnBackend(AttentionBackend):
         k_buf, v_buf = self.kv_pool.get_kv_buffer(layer_id)
         store_kv(k_buf, v_buf, batch.out_cache_loc, k, v)
         q = q if q.stride(-1) == 1 else q.contiguous()
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if self._decode is not None:
             args = (self.req_to_token, batch.req_pool_indices, batch.seq_lens, self.scale)
             return run_decode(self._decode, q, k_buf, v_buf, out, *args)

@@ -2,9 +2,11 @@
 
     rmsnorm(x, w, eps)                  y = w * (x / sqrt(mean(x^2) + eps))              (T, N) -> (T, N)
     fused_add_rmsnorm(x, r, w, eps)     s = x + r; y = rmsnorm(s); returns (y, s)        one pass instead of four
+                                        (s into a given residual_out)
     silu_and_mul(x)                     (T, 2d) = [gate | up] -> silu(gate) * up          (T, d)
     rope(q, k, cos, sin)                rotate-half rotary embedding of q (T, H, D) and k (T, Hkv, D) into
-                                        new contiguous tensors, cos/sin (T, D) shared by all heads
+                                        new contiguous tensors (or given ones: out), cos/sin (T, D) shared by
+                                        all heads
 
 Numerics follow the torch code they replace (Hugging Face's): reductions and products in float32, and the
 same roundings to the activation dtype at the same places (the normalized x is rounded before the weight
@@ -15,7 +17,7 @@ program (rows of up to 16K elements fit one block). Inputs may be row-strided vi
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -92,12 +94,22 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def fused_add_rmsnorm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual_out: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """x, residual (T, N) -> (rmsnorm(x + residual), x + residual), both new (T, N) tensors in x's dtype."""
+    """x, residual (T, N) -> (rmsnorm(x + residual), x + residual) in x's dtype: new (T, N) tensors, the sum
+    written into `residual_out` instead when given (contiguous (T, N); it may be `residual` itself: each
+    program reads its row whole before writing it)."""
     x2, r2 = _rows(x), _rows(residual)
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    s = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if residual_out is None:
+        s = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    else:
+        assert residual_out.is_contiguous() and residual_out.numel() == x2.numel() and residual_out.dtype == x.dtype
+        s = residual_out.view(x2.shape)
     n = x2.shape[1]
     if x2.shape[0]:
         _rmsnorm_kernel[(x2.shape[0],)](
@@ -204,17 +216,28 @@ def _rope_kernel(
     tl.store(out + HALF, (x2 * c2[None, :] + x1 * s2[None, :]).to(KO.dtype.element_ty), mask=m)
 
 
-def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """q (T, H, D), k (T, Hkv, D) (views allowed, last dim contiguous); cos, sin (T, D) or (T, 1, D).
 
-    Returns rotated (q, k) as new contiguous tensors in q's / k's dtype.
+    Returns rotated (q, k) in q's / k's dtype: new contiguous tensors, or `out` = (q_out, k_out), contiguous
+    tensors of those shapes that do not overlap q or k, written and returned.
     """
     T, H, D = q.shape
     hkv = k.shape[1]
     cos2, sin2 = cos.reshape(T, D), sin.reshape(T, D)
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos2.stride(-1) == 1 and sin2.stride(-1) == 1
-    qo = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
-    ko = torch.empty((T, hkv, D), dtype=k.dtype, device=k.device)
+    if out is None:
+        qo = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
+        ko = torch.empty((T, hkv, D), dtype=k.dtype, device=k.device)
+    else:
+        qo, ko = out
+        assert qo.is_contiguous() and ko.is_contiguous() and qo.shape == q.shape and ko.shape == k.shape
     if T:
         half = D // 2
         _rope_kernel[(T,)](

@@ -229,10 +229,11 @@ def run_backend(
     seed=0,
     num_layers=1,
     slot_offset=0,
+    out=False,
     **backend_kwargs,
 ):
     """One forward of backend `name` (built with `backend_kwargs`) on a fresh scattered pool; -> (out, k_buf,
-    v_buf).
+    v_buf). `out`: the forward writes into a tensor given to it (NaN-filled before), which it must return.
 
     The pool is the engine's token-major KVPool with `num_layers` layers; the forward runs on the last layer,
     and every slot is moved up by `slot_offset` (to reach element offsets beyond 2**31 in a large pool)."""
@@ -254,8 +255,27 @@ def run_backend(
         p.req_to_token, pool, num_heads, num_kv_heads, head_dim, head_dim**-0.5, **backend_kwargs
     )
     backend.init_forward_metadata(batch)
-    out = backend.forward(q, k, v, layer, batch)
-    return out, k_pool, v_pool
+    if not out:
+        return backend.forward(q, k, v, layer, batch), k_pool, v_pool
+    given = torch.full(q.shape, float("nan"), dtype=dtype, device=DEVICE)
+    result = backend.forward(q, k, v, layer, batch, out=given)
+    assert result is given
+    return given, k_pool, v_pool
+
+
+@pytest.mark.parametrize("name", ["triton", "torch_native"])
+@pytest.mark.parametrize(
+    "mode,seq_lens,prefix_lens",
+    [(ForwardMode.EXTEND, [9, 23, 12], [4, 0, 11]), (ForwardMode.DECODE, [7, 1, 45], [6, 0, 44])],
+    ids=["extend", "decode"],
+)
+def test_backend_writes_its_output_where_given(name, mode, seq_lens, prefix_lens):
+    """forward(..., out=t) writes the result into t and returns t: the same bits as the result it allocates
+    (the piecewise runner hands the attention its static output buffer this way)."""
+    args = (name, mode, seq_lens, prefix_lens, 4, 2, 16, torch.float32)
+    want, _, _ = run_backend(*args)
+    got, _, _ = run_backend(*args, out=True)
+    assert torch.equal(got, want)
 
 
 def check_backend(mode, seq_lens, prefix_lens, num_heads, num_kv_heads, head_dim, dtype):
