@@ -309,8 +309,8 @@ def override_gemv_products(products: List[str]) -> Dict[str, int]:
     changed = {name: 0 for name in products}
     set_gemv = runner_module.set_gemv
 
-    def patched(model, max_rows: int, device_name: Optional[str] = None) -> None:
-        set_gemv(model, max_rows, device_name)
+    def patched(model, max_rows: int) -> None:
+        set_gemv(model, max_rows)
         for qualified, module in model.named_modules():
             name = "lm_head" if qualified == "" else qualified.rsplit(".", 1)[-1]  # the root's gemv_rows: logits
             if name in changed and hasattr(module, "gemv_rows"):

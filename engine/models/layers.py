@@ -121,23 +121,14 @@ def set_cublaslt(model: nn.Module, max_rows: int) -> None:
             module.cublaslt_rows = max_rows
 
 
-def set_gemv(model: nn.Module, max_rows: int, device_name: Optional[str] = None) -> None:
+def set_gemv(model: nn.Module, max_rows: int) -> None:
     """Products of up to `max_rows` rows (0: none) of every Linear in `model`, and of its logits, go to the
-    GEMV kernels. `device_name` (torch.cuda.get_device_name of the GPU that runs `model`; None: no device
-    rule): a Linear whose weight shape cuBLAS streams faster than the rows kernel on that device
-    (kernels.triton.gemv.rows_kernel_pays) keeps the GEMV kernels for one row only."""
+    GEMV kernels."""
     if not 0 <= max_rows <= GEMV_MAX_ROWS:
         raise ValueError(f"max_rows must be in [0, {GEMV_MAX_ROWS}], got {max_rows}")
-    rows_kernel_pays = None
-    if device_name is not None and max_rows > 1:
-        from kernels.triton.gemv import rows_kernel_pays  # noqa: PLC0415  (imports triton: GPU path only)
     for module in model.modules():
         if hasattr(module, "gemv_rows"):  # every Linear, and the model (its logits)
-            rows = max_rows
-            if rows_kernel_pays is not None and isinstance(module, Linear):
-                if not rows_kernel_pays(*module.weight.shape, device_name):
-                    rows = 1
-            module.gemv_rows = rows
+            module.gemv_rows = max_rows
 
 
 class Linear(nn.Linear):

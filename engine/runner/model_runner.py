@@ -137,8 +137,7 @@ class ModelRunner:
                 f"fit on {self.device} ({free_before / 2**30:.1f} GiB free): use a GPU with more memory, a "
                 f"smaller dtype or a smaller model"
             ) from exc
-        device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
-        set_gemv(self.model, 0 if self.config.disable_gemv else self.config.gemv_max_rows, device_name)
+        set_gemv(self.model, 0 if self.config.disable_gemv else self.config.gemv_max_rows)
         set_cublaslt(self.model, self.config.cublaslt_max_rows)
         if self.device.type == "cuda":
             from kernels.triton import pdl  # noqa: PLC0415  (GPU path only)

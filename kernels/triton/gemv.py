@@ -312,29 +312,14 @@ def pick_config(n: int, k: int, dtype: torch.dtype) -> GemvConfig:
     return GemvConfig(block_n, block_k, warps)
 
 
-BLAS_FASTER: dict[str, frozenset[Tuple[int, int]]] = {
-    "NVIDIA H200": frozenset({(6144, 4096)}),  # Llama-3.1-8B's qkv
-}
-"""Weight shapes (N, K) whose products of 2..MAX_ROWS rows cuBLAS runs faster than the rows kernel on a device
-(torch.cuda.get_device_name), timed in whole decode steps against the rows kernel with its `pick_rows_config`
-tile (`benchmarks/ab_decode.py`; benchmarks/README.md, "Decode steps and GEMV"). Only measured shapes are
-listed: a kernel that wins alone can lose inside a step (it breaks the PDL chain of the kernels around it)."""
-
-
-def rows_kernel_pays(n: int, k: int, device_name: str) -> bool:
-    """Whether an (n, k) weight's products of 2..MAX_ROWS rows should take the rows kernel on `device_name`
-    rather than cuBLAS (False for the shapes of BLAS_FASTER). One row keeps `_gemv_kernel` on every device."""
-    return (n, k) not in BLAS_FASTER.get(device_name, frozenset())
-
-
 @functools.lru_cache(maxsize=None)
 def pick_rows_config(n: int, k: int, dtype: torch.dtype) -> RowsConfig:
     """Tile of the rows kernel for an (n, k) weight: a fixed function of the shape (no autotuning).
 
     From `benchmarks/bench_gemv.py --rows 8 --sweep` on an H100 and an H200 (Llama-3.1-8B's shapes, bf16, PDL
     on; each the best tile or within ~1% of it on the H100, and on the H200 except qkv, whose tile a later H200
-    sweep ranks behind others and behind cuBLAS, so the engine gives that product to cuBLAS there:
-    BLAS_FASTER), so that enough programs stream at once:
+    sweep ranks behind others and behind cuBLAS: benchmarks/README.md, "Decode steps and GEMV"), so that enough
+    programs stream at once:
       many rows (n >= 16384: gate_up, lm_head): 128 rows per program, 128-element K tiles, 3 stages;
       n > 4096 (qkv): 16 rows, 256-element tiles, 3 stages;
       otherwise (o, down: 4096 rows, only 256 programs of 16 rows): 32 rows and K split in 4 (512

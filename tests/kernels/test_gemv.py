@@ -294,35 +294,6 @@ def test_linear_uses_gemv_only_for_few_rows_on_cuda():
         set_gemv(layer, MAX_ROWS + 1)
 
 
-def test_set_gemv_leaves_to_cublas_the_shapes_it_streams_faster_on_the_device():
-    """A device named in BLAS_FASTER keeps its listed weight shapes on the GEMV kernels for one row only (2+
-    rows: cuBLAS); other shapes, other devices and no device name keep every row up to max_rows."""
-    from engine.models.layers import Linear, set_gemv
-    from kernels.triton.gemv import BLAS_FASTER, rows_kernel_pays
-
-    h200, h100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
-    assert (6144, 4096) in BLAS_FASTER[h200] and h100 not in BLAS_FASTER
-    assert not rows_kernel_pays(6144, 4096, h200)
-    assert rows_kernel_pays(4096, 4096, h200) and rows_kernel_pays(6144, 4096, h100)
-    shapes = {"qkv": (6144, 4096), "o": (4096, 4096)}
-    model = torch.nn.ModuleDict({name: Linear(k, n, bias=False, device="meta") for name, (n, k) in shapes.items()})
-    model.gemv_rows = MAX_ROWS  # the root's own rows (a model's logits) take no device rule
-
-    def rows() -> dict:
-        return {"root": model.gemv_rows, **{name: module.gemv_rows for name, module in model.items()}}
-
-    set_gemv(model, MAX_ROWS, h200)
-    assert rows() == {"root": MAX_ROWS, "qkv": 1, "o": MAX_ROWS}
-    for device_name in (h100, None):
-        set_gemv(model, MAX_ROWS, device_name)
-        assert rows() == {"root": MAX_ROWS, "qkv": MAX_ROWS, "o": MAX_ROWS}
-    set_gemv(model, 8, h200)
-    assert rows() == {"root": 8, "qkv": 1, "o": 8}
-    for max_rows in (0, 1):
-        set_gemv(model, max_rows, h200)
-        assert rows() == {"root": max_rows, "qkv": max_rows, "o": max_rows}
-
-
 def test_linear_takes_cublaslt_only_between_the_gemv_rows_and_its_bound():
     from engine.models.layers import CUBLASLT_MAX_ROWS, Linear, cublaslt_applies, set_cublaslt, set_gemv
 
