@@ -5,6 +5,8 @@ outputs with them: tests/engine/test_gpu_engine.py."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 
@@ -18,10 +20,10 @@ from engine_harness import TINY_LLAMA, write_tiny_config
 CONTEXT = 20  # cached tokens of each decoding request
 
 
-def _tiny_runner(folder, family: str, **config) -> ModelRunner:
+def _tiny_runner(folder, family: str, model_overrides: Optional[dict] = None, **config) -> ModelRunner:
     """A ModelRunner of a tiny dummy model (Qwen3: q/k norms) whose KV pool is random."""
     qwen3 = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"]) if family == "qwen3" else {}
-    model = write_tiny_config(folder, **qwen3)
+    model = write_tiny_config(folder, **qwen3, **(model_overrides or {}))
     cfg = EngineConfig(
         model=model,
         load_format="dummy",
@@ -157,7 +159,9 @@ def test_gpu_captured_pieces_give_the_eager_pieces_bits(tmp_path, family, decode
     the model's own forward, bit for bit."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    runner = _tiny_runner(tmp_path, family, dtype="bfloat16", device="cuda", disable_cuda_graph=True)
+    # Head dim 64 (Qwen3's config keeps its own 128): FlashInfer's Hopper prefill kernels take 64, 128 or 256.
+    wider = dict(hidden_size=256, intermediate_size=512)
+    runner = _tiny_runner(tmp_path, family, wider, dtype="bfloat16", device="cuda", disable_cuda_graph=True)
     captured = PiecewiseGraphRunner(runner.model, 128, runner.device)
     eager = PiecewiseGraphRunner(runner.model, 128, runner.device, capture=False)
     fb = _batch(runner, decodes, prompt_lens)
