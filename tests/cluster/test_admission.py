@@ -172,4 +172,6 @@ def test_rate_limit_per_key_at_the_ingress(cluster, http):
         assert int(r.headers["retry-after"]) >= 1 and r.headers["x-ratelimit-limit-requests"] == "30"
     assert all(r.headers["x-ratelimit-limit-requests"] == "30" for r in responses)
     other = http.post("/generate", json=_generate("rl-other"), headers={"Authorization": "Bearer other-key"})
-    assert other.status_code == 200 and other.headers["x-ratelimit-remaining-requests"] == "29"
+    # Its bucket is full but for this request: 29 left, or 30 again when the reply took over 2 s (a bucket of 30
+    # per minute refills one every 2 s, and the header is read when the reply is sent).
+    assert other.status_code == 200 and other.headers["x-ratelimit-remaining-requests"] in ("29", "30")
