@@ -567,6 +567,49 @@ def test_ab_decode_interleaves_arms_on_patched_copies_and_compares_to_the_first(
     assert "slower: 64.000 / 64.000 (2.000)" in table
 
 
+FAKE_BENCH_MIXED = """
+import argparse, json, os
+p = argparse.ArgumentParser()
+p.add_argument("--decodes", type=int, nargs="+")
+p.add_argument("--prefill", type=int, nargs="+")
+p.add_argument("--out")
+a = p.parse_args()
+threads = float(os.environ.get("OMP_NUM_THREADS", "16"))
+rows = [
+    dict(decodes=d, prefill=n, gpu_ms=1.0 + d + n / 64, host_ms=threads, wall_ms=2.0, cuda_graph="piecewise")
+    for d in a.decodes for n in a.prefill
+]
+json.dump(dict(rows=rows), open(a.out, "w"))
+"""
+
+
+def test_ab_decode_runs_mixed_steps_with_an_arm_environment(tmp_path):
+    """--bench mixed runs bench_mixed_step.py, keys rows by (decodes, prefill) and compares device and host
+    time; an arm's leading VAR=VALUE words reach only that arm's runs, as its environment."""
+    src = tmp_path / "src"
+    (src / "benchmarks").mkdir(parents=True)
+    (src / "benchmarks" / "bench_mixed_step.py").write_text(FAKE_BENCH_MIXED)
+    out = tmp_path / "ab.json"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "ab_decode.py"), "--source", str(src), "--bench", "mixed"]
+        + ["--arm", "base", "--arm", "one=:OMP_NUM_THREADS=1", "--out", str(out)]
+        + ["--", "--decodes", "8", "--prefill", "64", "128"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(out.read_text())
+    assert record["bench"] == "bench_mixed_step.py"
+    assert record["arms"][1]["env"] == {"OMP_NUM_THREADS": "1"} and record["arms"][1]["flags"] == []
+    table = "\n".join(record["table"])
+    assert "8 + 64  base: 10.000 / 10.000 (1.000)  one: 10.000 / 10.000 (1.000)" in table
+    assert "host time to enqueue a step (ms)" in table
+    assert "8 + 128  base: 16.000 / 16.000 (1.000)  one: 1.000 / 1.000 (0.062)" in table
+
+
 def test_ab_decode_refuses_bad_arms(tmp_path):
     for spec, message in (("=x", "empty name"), ("a=missing.patch", "no patch file")):
         proc = run_script("ab_decode.py", "--arm", spec, "--out", str(tmp_path / "x.json"))
