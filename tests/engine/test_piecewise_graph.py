@@ -24,14 +24,8 @@ def _tiny_runner(folder, family: str, model_overrides: Optional[dict] = None, **
     """A ModelRunner of a tiny dummy model (Qwen3: q/k norms) whose KV pool is random."""
     qwen3 = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"]) if family == "qwen3" else {}
     model = write_tiny_config(folder, **qwen3, **(model_overrides or {}))
-    cfg = EngineConfig(
-        model=model,
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        max_running_requests=16,
-        max_total_tokens=4096,
-        **config,
-    )
+    defaults = dict(load_format="dummy", skip_tokenizer_init=True, max_running_requests=16, max_total_tokens=4096)
+    cfg = EngineConfig(model=model, **{**defaults, **config})
     torch.manual_seed(0)
     r = ModelRunner(cfg, resolve_model(model))
     gen = torch.Generator(device=r.device).manual_seed(0)
@@ -144,26 +138,36 @@ def test_on_by_default_its_bound_checked_and_tensor_parallel_refused_by_the_runn
         runner.model.tp = own
 
 
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def gpu_pieces(request, tmp_path_factory):
+    """(runner, captured pieces, eager pieces) of a bf16 CUDA ModelRunner of a tiny model, built once per family
+    (capturing is the slow part). Head dim 64 (Qwen3's config keeps its own 128): FlashInfer's Hopper prefill
+    kernels take 64, 128 or 256."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    wider = dict(hidden_size=256, intermediate_size=512)
+    folder = tmp_path_factory.mktemp(f"gpu-{request.param}")
+    # The cases below share the runner and none frees its rows: room for all of them.
+    gpu = dict(dtype="bfloat16", device="cuda", disable_cuda_graph=True, max_running_requests=64)
+    runner = _tiny_runner(folder, request.param, wider, **gpu)
+    captured = PiecewiseGraphRunner(runner.model, 128, runner.device)
+    eager = PiecewiseGraphRunner(runner.model, 128, runner.device, capture=False)
+    return runner, captured, eager
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize(
     "decodes, prompt_lens",
     [(0, [8]), (3, [17]), (4, [30, 9]), (5, [100]), (8, [56])],
     ids=["one", "mixed", "two", "bucket-112", "full-64"],
 )
-def test_gpu_captured_pieces_give_the_eager_pieces_bits(tmp_path, family, decodes, prompt_lens):
+def test_gpu_captured_pieces_give_the_eager_pieces_bits(gpu_pieces, decodes, prompt_lens):
     """bf16 on CUDA: the same step through captured pieces and through the same pieces run eagerly (same
     kernels, same padded size) gives the same hidden states and the same K/V, bit for bit. What the graphs
     read and write between pieces (the static buffers, attention's output) is therefore where the eager
     pieces have it, in every bucket (graphs share one memory pool). A step that fills its bucket also gives
     the model's own forward, bit for bit."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    # Head dim 64 (Qwen3's config keeps its own 128): FlashInfer's Hopper prefill kernels take 64, 128 or 256.
-    wider = dict(hidden_size=256, intermediate_size=512)
-    runner = _tiny_runner(tmp_path, family, wider, dtype="bfloat16", device="cuda", disable_cuda_graph=True)
-    captured = PiecewiseGraphRunner(runner.model, 128, runner.device)
-    eager = PiecewiseGraphRunner(runner.model, 128, runner.device, capture=False)
+    runner, captured, eager = gpu_pieces
     fb = _batch(runner, decodes, prompt_lens)
     pool = runner.kv_pool
     with torch.inference_mode():
