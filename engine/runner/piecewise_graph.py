@@ -20,11 +20,12 @@ angles piece 0 computes, q, k, v, the attention output, the residual stream, the
 each graph's temporaries are its own and the graphs share one memory pool. The kernels that make those
 tensors write them there directly: the last input norm of a piece writes the residual stream, the rotary
 kernel q and k, and the backend's attention its output (`out=`); only v (a slice of the qkv product), the
-first piece's residual stream and angles, and the last piece's hidden states are copied. Attention sees the real T rows
-only: the padding rows' values pass through the row-wise layers (norms, matmuls, rope, MLP) and never
-reach a real row, and no padding row's K/V is written. A bucket's graphs run the same matmuls on `padded`
-rows as an eager step of that many tokens would; within a bucket, T real rows are computed as in an eager
-step of `padded`.
+first piece's residual stream and angles, and the last piece's hidden states are copied.
+
+Attention sees the real T rows only: the padding rows' values pass through the row-wise layers (norms,
+matmuls, rope, MLP) and never reach a real row, and no padding row's K/V is written. A bucket's graphs run
+the same matmuls on `padded` rows as an eager step of that many tokens would; within a bucket, T real rows
+are computed as in an eager step of `padded`.
 
 `capture=False` runs the pieces eagerly through the same buffers (the CPU tests of this plumbing).
 Without tensor parallelism only. The hidden states returned are valid until the next forward.
