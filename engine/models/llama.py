@@ -138,11 +138,8 @@ class LlamaAttention(nn.Module):
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
         if self.has_qk_norm:
             q, k = self.q_norm.normalize(q), self.k_norm.normalize(k)
-        if out is None:
-            q, k = RotaryEmbedding.apply_qk(q, k, cos, sin)
-            return q, k, v
-        q, k = RotaryEmbedding.apply_qk(q, k, cos, sin, out[:2])
-        return q, k, out[2].copy_(v)
+        q, k = RotaryEmbedding.apply_qk(q, k, cos, sin, None if out is None else out[:2])
+        return q, k, v if out is None else out[2].copy_(v)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x (T, hidden); cos/sin (T, 1, head_dim) -> (T, hidden)."""

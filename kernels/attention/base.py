@@ -9,8 +9,9 @@ KV pool, then for every forward:
 `forward` first writes k, v of the new tokens into the pool at
 `batch.out_cache_loc`, then attends each new token to its request's KV
 positions [0, position] (causal). Given `out=`, it writes the result there
-(the piecewise runner's static buffer) instead of allocating it. `kernels` does not import `engine`: the batch
-and pool are used through the small protocols below.
+(the piecewise runner's static buffer) instead of allocating it. `kernels` does
+not import `engine`: the batch and pool are used through the small protocols
+below.
 """
 
 from __future__ import annotations
