@@ -1256,6 +1256,14 @@ _HTTP_STACK = (
 """What uvicorn's `auto` loop and parser resolve to in a Python environment (serving.server.http_stack)."""
 
 
+def merged_http_stacks(previous: Dict[str, Any], current: Dict[str, Any], servers: List[str]) -> Dict[str, Any]:
+    """The HTTP stacks a merged JSON names: this run's for the sides it measures ("vllm" for vLLM's server,
+    "radixserve" for ours), the earlier run's for a side only that run measured."""
+    measured = {"vllm" if name == "vllm" else "radixserve" for name in servers}
+    kept = {side: stack for side, stack in previous.items() if side not in measured}
+    return {**current, **kept}
+
+
 def http_stacks() -> Dict[str, Any]:
     """The uvicorn loop and parser of our servers' environment and of vLLM's (VLLM_PYTHON, VLLM_PYTHONPATH):
     a pure-Python fallback on one side only would skew the comparison."""
@@ -1401,6 +1409,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.merge and os.path.exists(out):
         with open(out) as f:
             record = json.load(f)
+        hw["http_stack"] = merged_http_stacks(
+            record.get("hardware", {}).get("http_stack", {}), hw["http_stack"], args.servers
+        )
     record.update(
         benchmark="bench_online",
         hardware=hw,

@@ -347,6 +347,19 @@ def test_bench_online_records_both_sides_http_loop_and_parser(monkeypatch):
     assert "error" in bench_online.http_stacks()["vllm"]
 
 
+def test_bench_online_merge_keeps_the_http_stack_of_a_side_it_does_not_measure(monkeypatch):
+    """A --merge run of our servers alone must not overwrite how vLLM's earlier run parsed HTTP."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import bench_online
+
+    fast, slow = {"loop": "uvloop", "parser": "httptools"}, {"loop": "uvloop", "parser": "h11"}
+    earlier = {"radixserve": fast, "vllm": fast}
+    now = {"radixserve": fast, "vllm": slow}
+    assert bench_online.merged_http_stacks(earlier, now, ["cluster"]) == {"radixserve": fast, "vllm": fast}
+    assert bench_online.merged_http_stacks(earlier, now, ["vllm", "serving"]) == now
+    assert bench_online.merged_http_stacks({}, now, ["cluster"]) == now
+
+
 def test_bench_online_ratios_and_table_from_fabricated_summaries():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import bench_online
