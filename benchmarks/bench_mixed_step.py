@@ -12,6 +12,8 @@ cached prefix), one step of the engine's own code:
   host_ms   the host's time to enqueue one step after the device is idle (attention plan, forward and
             logits launched, no wait): when host_ms >= the device time, the step is bound by the host
   wall_ms   the step as the scheduler runs it: ForwardBatch from host lists, the step, tokens on the host
+  host_speed  the host CPU's speed before and after the row and the hypervisor's steal meanwhile
+            (host_probe.py): a row measured while a virtual CPU ran slow shows it there
 
 Prefill and mixed steps of up to --piecewise-cuda-graph-max-tokens replay piecewise CUDA graphs
 (`enable_piecewise_cuda_graph`, the engine's default); --no-piecewise-cuda-graph measures them all eager.
@@ -37,6 +39,7 @@ from typing import Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import host_probe  # noqa: E402
 from bench_decode import ENGINE_DEFAULTS, device_time_ms  # noqa: E402
 from bench_offline import hardware, result_path  # noqa: E402
 
@@ -137,6 +140,7 @@ class MixedStepBench:
         import torch
 
         device = self.runner.device
+        start = host_probe.snapshot()
         fb = self.batch(decodes, prefill)
         gpu_ms = device_time_ms(lambda: self.launch(fb), steps, 5, device)
         host, wall = [], []
@@ -161,6 +165,7 @@ class MixedStepBench:
             host_ms=statistics.median(host),
             wall_ms=statistics.median(wall),
             host_bound=statistics.median(host) >= 0.9 * gpu_ms,
+            host_speed=host_probe.between(start, host_probe.snapshot()),
         )
 
 
@@ -276,11 +281,17 @@ def main() -> None:
     hw = hardware()
     model = os.path.splitext(os.path.basename(args.config))[0]
     print(f"\nprefill and mixed steps, {model} dummy bf16, decode context {args.context_len}; {hw.get('gpu')}")
-    print(f"{'decodes':>8} {'prefill':>8} {'graph':>9} {'gpu ms':>9} {'host ms':>9} {'wall ms':>9}  bound")
+    print(
+        f"{'decodes':>8} {'prefill':>8} {'graph':>9} {'gpu ms':>9} {'host ms':>9} {'wall ms':>9}  bound "
+        f"  probe us (before / after), steal"
+    )
     for r in rows:
+        speed = r["host_speed"]
+        steal = "-" if speed["steal_pct"] is None else f"{speed['steal_pct']:.1f}%"
         print(
             f"{r['decodes']:>8} {r['prefill']:>8} {r['cuda_graph'] or 'no':>9} {r['gpu_ms']:>9.2f} "
-            f"{r['host_ms']:>9.2f} {r['wall_ms']:>9.2f}  {'host' if r['host_bound'] else 'device'}"
+            f"{r['host_ms']:>9.2f} {r['wall_ms']:>9.2f}  {'host' if r['host_bound'] else 'device':<6} "
+            f"{speed['probe_us_before']:>7.0f} / {speed['probe_us_after']:<7.0f} {steal}"
         )
     suffix = "" if args.piecewise_cuda_graph else "_eager"
     if (

@@ -43,7 +43,8 @@ restarted: its prefix cache persists across workloads (every workload draws prom
 sent, so this favours no server).
 
 Per server and workload the JSON holds bench_serving's summary (req/s, output tok/s, TTFT / ITL /
-E2E / TPOT percentiles, errors, stream events per output token), and for radixserve servers the
+E2E / TPOT percentiles, errors, stream events per output token, the host CPU's speed before and after
+the run and the hypervisor's steal meanwhile: `host_speed`, host_probe.py), and for radixserve servers the
 ratios to vLLM's figure of the same workload (throughput: ours / vLLM; latencies: ours / vLLM). After
 each workload a radixserve server's KV counters are read once it is idle (cluster: /router/stats,
 workers[*].engine; serving: /metrics, its radixserve_kv_cache_{total,free,evictable}_tokens gauges;
@@ -106,6 +107,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_serving as bs  # noqa: E402
+import host_probe  # noqa: E402
 from bench_offline import result_path  # noqa: E402
 
 SERVED_NAME = "m"
@@ -284,7 +286,7 @@ def repeat_figures(summary: Dict[str, Any], argv: List[str]) -> Dict[str, Any]:
     and the table's figures."""
     seed_at = len(argv) - 1 - argv[::-1].index("--seed")
     figures = {key: lookup(summary, key) for key in SUMMARY_KEYS + ("ttft_ms.mean", "events_per_output_token")}
-    return dict(figures, seed=int(argv[seed_at + 1]))
+    return dict(figures, seed=int(argv[seed_at + 1]), host_speed=summary.get("host_speed"))
 
 
 def ratios(runs: Dict[str, Dict[str, Any]], reference: str = "vllm") -> Dict[str, Dict[str, Dict[str, float]]]:
@@ -833,13 +835,16 @@ def run_workload(argv: List[str], base_url: str, timeout: float) -> Dict[str, An
     args = client_args(argv, base_url)
     sessions = bs.make_workload(args)
     before = bs.server_cache_counters(base_url, None)
+    start = host_probe.snapshot()
 
     async def go():
         return await asyncio.wait_for(bs.run_load(args, sessions), timeout)
 
     results, duration = asyncio.run(go())
+    host_speed = host_probe.between(start, host_probe.snapshot())
     after = bs.server_cache_counters(base_url, None)
     summary = bs.summarize(results, duration, before, after)
+    summary["host_speed"] = host_speed
     summary["prompt_tokens_mean"] = summary["prompt_tokens"] / summary["completed"] if summary["completed"] else 0
     summary["bench_serving_args"] = argv
     summary["timeline"] = bs.timeline(results)
@@ -1492,7 +1497,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                         f"{name} {w}{f' (run {k + 1} of {args.repeat})' if args.repeat > 1 else ''}: "
                         f"{s['request_throughput']:.2f} req/s, TTFT p50 {s['ttft_ms']['p50']:.1f} ms, "
                         f"ITL p50 {s['itl_ms']['p50']:.2f} ms, TPOT {s['tpot_ms']['mean']:.2f} ms, "
-                        f"events/token {s['events_per_output_token']:.2f}, failed {s['failed']}",
+                        f"events/token {s['events_per_output_token']:.2f}, failed {s['failed']}; "
+                        f"host {json.dumps(s['host_speed'])}",
                         flush=True,
                     )
                     split = None

@@ -360,6 +360,29 @@ def test_bench_online_merge_keeps_the_http_stack_of_a_side_it_does_not_measure(m
     assert bench_online.merged_http_stacks({}, now, ["cluster"]) == now
 
 
+def test_host_probe_reads_steal_from_proc_stat_and_times_its_workload(tmp_path, monkeypatch):
+    """host_probe: steal over a stretch from two /proc/stat first lines (all CPUs, clock ticks), None where
+    the file lacks the column; the probe's time is positive and `between` keeps both ends and the steal."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import host_probe
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 50 800 10 0 0 40 0 0\ncpu0 50 0 25 400 5 0 0 20 0 0\n")
+    before = host_probe.cpu_times(str(stat))
+    stat.write_text("cpu  160 0 70 900 10 0 0 60 0 0\n")
+    after = host_probe.cpu_times(str(stat))
+    assert before["steal"] == 40 and after["user"] == 160
+    assert host_probe.steal_pct(before, after) == pytest.approx(100 * 20 / 200)
+    assert host_probe.steal_pct(before, before) is None and host_probe.steal_pct(None, after) is None
+    stat.write_text("cpu  100 0 50 800\n")  # a kernel without the steal column
+    assert host_probe.cpu_times(str(stat)) is None
+    assert host_probe.cpu_times(str(tmp_path / "missing")) is None
+    assert host_probe.probe_us(loops=1000, trials=3) > 0
+    start = host_probe.Snapshot(probe_us=812.34, cpu=before)
+    got = host_probe.between(start, host_probe.Snapshot(probe_us=1490.06, cpu=after))
+    assert got == {"probe_us_before": 812.3, "probe_us_after": 1490.1, "steal_pct": 10.0}
+
+
 def test_bench_online_ratios_and_table_from_fabricated_summaries():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import bench_online
@@ -429,6 +452,8 @@ def test_bench_online_repeats_draw_new_prompts_and_report_the_median_run():
     argv = bench_online.workload_argv("random-256", {}, ["--seed", "7"], 1)  # a --seed after `--` wins
     figures = bench_online.repeat_figures(run(21.97), argv)
     assert figures["seed"] == 7 and figures["request_throughput"] == 21.97 and figures["ttft_ms.mean"] == 2.0
+    speed = {"probe_us_before": 800.0, "probe_us_after": 1400.0, "steal_pct": 0.5}
+    assert bench_online.repeat_figures(dict(run(21.97), host_speed=speed), argv)["host_speed"] == speed
 
 
 def test_bench_online_engine_tpot_is_measured_at_the_random_1_shape_and_compared():
