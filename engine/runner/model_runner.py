@@ -293,7 +293,7 @@ class ModelRunner:
             from engine.runner.piecewise_graph import PiecewiseGraphRunner  # noqa: PLC0415
 
             self.piecewise_runner = PiecewiseGraphRunner(
-                self.model, self.config.piecewise_cuda_graph_max_tokens, self.device
+                self.model, self.config.piecewise_cuda_graph_max_tokens, self.device, self.attn_backend
             )
 
     def decode_backend(self, batch_size: int):

@@ -7,13 +7,16 @@ eagerly, a step of a few hundred tokens is bound by the host, which launches sev
 by one from Python. Everything else in a layer depends only on the number of tokens T, so the runner
 captures, for every token bucket (`token_buckets`), L + 1 graphs of a model with L layers:
 
-    piece 0         embedding, then layer 0 up to its attention's inputs (norm, qkv, q/k norm, rope)
-    piece i         layer i-1 after its attention (o_proj, norm, MLP), then layer i up to its attention
+    piece 0         embedding, then layer 0 up to its attention's inputs (norm, qkv, q/k norm, rope) and
+                    the store of its K/V into the KV pool
+    piece i         layer i-1 after its attention (o_proj, norm, MLP), then layer i up to its attention,
+                    and the store of layer i's K/V
     piece L         layer L-1 after its attention, then the final norm
 
-    forward(fb):  static[:T] <- fb's input ids and positions; static[T:padded] <- token 0 at position 0
-                  piece 0; for each layer i: the backend's attention over q/k/v[:T] (writes the layer's
-                  K/V at fb.out_cache_loc) -> attn_out[:T]; piece i + 1   ->  hidden[:T]
+    forward(fb):  static[:T] <- fb's input ids, positions and KV slots (out_cache_loc);
+                  static[T:padded] <- token 0 at position 0, slot 0
+                  piece 0; for each layer i: the backend's attention over q[:T] and the pool (kv_stored)
+                  -> attn_out[:T]; piece i + 1   ->  hidden[:T]
 
 The pieces hand each other their tensors through static buffers allocated outside the graphs (the rotary
 angles piece 0 computes, q, k, v, the attention output, the residual stream, the final hidden states), so
@@ -22,8 +25,11 @@ tensors write them there directly: the last input norm of a piece writes the res
 kernel q and k, and the backend's attention its output (`out=`); only v (a slice of the qkv product), the
 first piece's residual stream and angles, and the last piece's hidden states are copied.
 
-Attention sees the real T rows only: the padding rows' values pass through the row-wise layers (norms,
-matmuls, rope, MLP) and never reach a real row, and no padding row's K/V is written. A bucket's graphs run
+The K/V store runs inside the pieces (the backend's `store_kv`, the same kernel its `forward` would launch),
+so that the only launches between two graphs are the attention's own. Attention sees the real T rows only:
+the padding rows' values pass through the row-wise layers (norms, matmuls, rope, MLP) and never reach a real
+row, and their K/V go to slot 0, the page the KV allocator reserves for padding writes, which no request
+reads. A bucket's graphs run
 the same matmuls on `padded` rows as an eager step of that many tokens would; within a bucket, T real rows
 are computed as in an eager step of `padded`.
 
@@ -57,11 +63,14 @@ def token_buckets(max_tokens: int) -> List[int]:
 
 
 class PiecewiseGraphRunner:
-    def __init__(self, model, max_tokens: int, device: torch.device, capture: bool = True):
-        """`model`: a LlamaForCausalLM without tensor parallelism, in its serving dtype."""
+    def __init__(self, model, max_tokens: int, device: torch.device, backend, capture: bool = True):
+        """`model`: a LlamaForCausalLM without tensor parallelism, in its serving dtype. `backend`: the
+        AttentionBackend of every step this runner takes (its `store_kv` is captured with its KV pool's
+        buffers; `forward` refuses a step planned on another)."""
         if getattr(model, "tp", None) is not None:
             raise ValueError("piecewise CUDA graphs do not support tensor parallelism")
         self.model = model
+        self.backend = backend
         self.layers = model.model.layers
         self.device = device
         self.buckets = token_buckets(max_tokens)
@@ -74,6 +83,7 @@ class PiecewiseGraphRunner:
         act = dict(dtype=dtype, device=device)
         self.input_ids = torch.zeros(n, **i64)
         self.positions = torch.zeros(n, **i64)
+        self.out_cache_loc = torch.zeros(n, **i64)
         self.q = torch.zeros(n, attn.num_heads, attn.head_dim, **act)
         self.k = torch.zeros(n, attn.num_kv_heads, attn.head_dim, **act)
         self.v = torch.zeros(n, attn.num_kv_heads, attn.head_dim, **act)
@@ -110,17 +120,22 @@ class PiecewiseGraphRunner:
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Final-normed hidden states (T, hidden) of an EXTEND batch whose attention metadata is planned
         (`fb.attn_backend.init_forward_metadata(fb)`); a view of a static buffer."""
+        if fb.attn_backend is not self.backend:
+            raise ValueError("the step's attention backend is not the one the pieces store K/V with")
         n = fb.num_tokens
         padded = self.padded_size(n)
         self.input_ids[:n].copy_(fb.input_ids)
         self.positions[:n].copy_(fb.positions)
+        self.out_cache_loc[:n].copy_(fb.out_cache_loc)
         if padded > n:
             self.input_ids[n:padded].zero_()
             self.positions[n:padded].zero_()
+            self.out_cache_loc[n:padded].zero_()
         for i, layer in enumerate(self.layers):
             self._run(padded, i)
             out = self.attn_out[:n].view(n, *self.q.shape[1:])
-            fb.attn_backend.forward(self.q[:n], self.k[:n], self.v[:n], layer.self_attn.layer_id, fb, out=out)
+            layer_id = layer.self_attn.layer_id
+            self.backend.forward(self.q[:n], self.k[:n], self.v[:n], layer_id, fb, out=out, kv_stored=True)
         self._run(padded, len(self.layers))
         return self.hidden[:n]
 
@@ -149,7 +164,9 @@ class PiecewiseGraphRunner:
             self.cos[:size].copy_(cos)
             self.sin[:size].copy_(sin)
         out = (self.q[:size], self.k[:size], self.v[:size], self.residual[:size])
-        self.layers[piece].before_attention(x, residual, self.cos[:size], self.sin[:size], out=out)
+        layer = self.layers[piece]
+        layer.before_attention(x, residual, self.cos[:size], self.sin[:size], out=out)
+        self.backend.store_kv(layer.self_attn.layer_id, self.out_cache_loc[:size], self.k[:size], self.v[:size])
 
     def _capture(self, size: int) -> None:
         for _ in range(2):  # compile / autotune the kernels of this size outside the capture

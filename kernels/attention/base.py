@@ -79,6 +79,12 @@ class AttentionBackend(abc.ABC):
     def init_forward_metadata(self, batch: ForwardBatchLike) -> None:
         """Precompute per-forward indices shared by all layers (default: nothing)."""
 
+    def store_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k, v ((T, Hkv, D)) into layer `layer_id`'s KV buffers at slots `loc` ((T,) int): what `forward`
+        does first unless `kv_stored`. Device work only (no host sync, no allocation the caller must keep), so
+        a CUDA graph may capture it."""
+        self.kv_pool.set_kv_buffer(layer_id, loc, k, v)
+
     @abc.abstractmethod
     def forward(
         self,
@@ -88,10 +94,12 @@ class AttentionBackend(abc.ABC):
         layer_id: int,
         batch: ForwardBatchLike,
         out: Optional[torch.Tensor] = None,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
-        """q (T, H, D), k/v (T, Hkv, D) -> (T, H, D) in q's dtype; writes k/v at batch.out_cache_loc first.
-        `out`: a contiguous (T, H, D) tensor of q's dtype, not overlapping q/k/v, that receives the result
-        (returned); otherwise the result is a new tensor."""
+        """q (T, H, D), k/v (T, Hkv, D) -> (T, H, D) in q's dtype; writes k/v at batch.out_cache_loc first
+        (`store_kv`) unless `kv_stored`: the caller has written them there already (the piecewise runner does,
+        inside its CUDA graphs). `out`: a contiguous (T, H, D) tensor of q's dtype, not overlapping q/k/v, that
+        receives the result (returned); otherwise the result is a new tensor."""
 
     # ---- CUDA graphs (decode) ------------------------------------------------------------------
     # A backend that supports graphs sets `supports_cuda_graph`. The graph runner then calls, for

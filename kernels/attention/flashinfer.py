@@ -8,7 +8,7 @@ K/V tensors it is given (its paged_kv_t takes a page stride and computes offsets
     init_forward_metadata:  host  kv_indptr = cumsum(seq_lens_cpu), qo_indptr = cumsum(extend_seq_lens_cpu)
                             device kv_indices = req_to_token rows flattened (one Triton launch, no sync)
                             plan() of the decode or the prefill wrapper (FlashInfer's host-side scheduling)
-    forward (per layer):    store the new K/V (Triton store_kv), then
+    forward (per layer):    store the new K/V (Triton store_kv; not when the caller stored them: kv_stored), then
                             EXTEND  BatchPrefillWithPagedKVCacheWrapper.run: causal over [cached prefix |
                                     new tokens], the query rows aligned to the end of each request's KV
                             DECODE  BatchDecodeWithPagedKVCacheWrapper.run
@@ -277,6 +277,12 @@ class FlashInferAttnBackend(AttentionBackend):
         self._mode, self._active_decode, self._meta_batch = "decode", state.wrapper, batch
 
     # ---- forward -----------------------------------------------------------------------------
+    def store_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """See AttentionBackend.store_kv: one Triton launch for K and V (kernels/triton/store_kv.py)."""
+        from kernels.triton.store_kv import store_kv  # noqa: PLC0415
+
+        store_kv(*self.kv_pool.get_kv_buffer(layer_id), loc, k, v)
+
     def forward(
         self,
         q: torch.Tensor,
@@ -285,14 +291,14 @@ class FlashInferAttnBackend(AttentionBackend):
         layer_id: int,
         batch: ForwardBatchLike,
         out: Optional[torch.Tensor] = None,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         """See AttentionBackend.forward."""
-        from kernels.triton.store_kv import store_kv  # noqa: PLC0415
-
         if self._meta_batch is not batch:
             self.init_forward_metadata(batch)
+        if not kv_stored:
+            self.store_kv(layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = self.kv_pool.get_kv_buffer(layer_id)
-        store_kv(k_buf, v_buf, batch.out_cache_loc, k, v)
         q = q if q.is_contiguous() else q.contiguous()
         cache = (k_buf.unsqueeze(1), v_buf.unsqueeze(1))  # (num_slots, page_size 1, Hkv, D)
         if q.shape[0] == 0:

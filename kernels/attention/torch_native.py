@@ -55,11 +55,13 @@ class TorchNativeAttnBackend(AttentionBackend):
         layer_id: int,
         batch: ForwardBatchLike,
         out: Optional[torch.Tensor] = None,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         """See AttentionBackend.forward."""
         if self._meta_batch is not batch:
             self.init_forward_metadata(batch)
-        self.kv_pool.set_kv_buffer(layer_id, batch.out_cache_loc, k, v)
+        if not kv_stored:
+            self.store_kv(layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = self.kv_pool.get_kv_buffer(layer_id)
         compute_dtype = _compute_dtype(q)
         if self._decode_meta is not None:

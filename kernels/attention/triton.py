@@ -3,7 +3,8 @@
 Per forward, init_forward_metadata sizes the launch from host lists (no device sync):
 DECODE picks the split-K factor and allocates the float32 split scratch shared by every layer;
 EXTEND records the longest extend length (the grid's third dimension). Per layer, forward stores
-the new K/V into the pool (store_kv), then runs decode_attention or extend_attention.
+the new K/V into the pool (store_kv, unless the caller did: kv_stored), then runs decode_attention or
+extend_attention.
 
 The kernel modules import triton, so they are imported on first use: `import kernels` and the
 registry stay cheap and work on CPU-only installs without triton. On CPU the kernels run only under
@@ -107,6 +108,12 @@ class TritonAttnBackend(AttentionBackend):
 
     supports_cuda_graph = True
 
+    def store_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """See AttentionBackend.store_kv: one Triton launch for K and V (kernels/triton/store_kv.py)."""
+        from kernels.triton.store_kv import store_kv
+
+        store_kv(*self.kv_pool.get_kv_buffer(layer_id), loc, k, v)
+
     def init_forward_metadata_capture(self, batch: ForwardBatchLike) -> None:
         """Decode metadata of a captured batch size: the split count for any context length (the kernel
         sizes its chunks from the device seq_lens) and scratch owned by this graph."""
@@ -128,14 +135,14 @@ class TritonAttnBackend(AttentionBackend):
         layer_id: int,
         batch: ForwardBatchLike,
         out: Optional[torch.Tensor] = None,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         """See AttentionBackend.forward."""
-        from kernels.triton.store_kv import store_kv
-
         if self._meta_batch is not batch:
             self.init_forward_metadata(batch)
+        if not kv_stored:
+            self.store_kv(layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = self.kv_pool.get_kv_buffer(layer_id)
-        store_kv(k_buf, v_buf, batch.out_cache_loc, k, v)
         q = q if q.stride(-1) == 1 else q.contiguous()
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -5,6 +5,7 @@ outputs with them: tests/engine/test_gpu_engine.py."""
 
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 import pytest
@@ -90,7 +91,7 @@ def test_token_buckets():
 def test_pieces_give_the_forward_and_its_kv(runner, decodes, prompt_lens):
     """The same step through the model's forward and through the pieces (padded to a bucket unless the step
     fills one): equal hidden states, and equal K/V written at the step's slots in every layer."""
-    pieces = PiecewiseGraphRunner(runner.model, 64, runner.device, capture=False)
+    pieces = PiecewiseGraphRunner(runner.model, 64, runner.device, runner.attn_backend, capture=False)
     fb = _batch(runner, decodes, prompt_lens)
     pool = runner.kv_pool
     with torch.inference_mode():
@@ -112,8 +113,33 @@ def test_pieces_give_the_forward_and_its_kv(runner, decodes, prompt_lens):
         torch.testing.assert_close(kv_got, kv_want, rtol=1e-5, atol=1e-5)
 
 
+def test_padding_rows_store_their_kv_in_the_reserved_slot_only(runner):
+    """The pieces store every row's K/V, padding rows included: those go to slot 0 (the page the allocator
+    reserves for padding writes); no other slot than the step's own changes. A step planned on another
+    backend than the one the pieces store with is refused."""
+    pieces = PiecewiseGraphRunner(runner.model, 64, runner.device, runner.attn_backend, capture=False)
+    fb = _batch(runner, 3, [17])  # 20 tokens in the 24 bucket: 4 padding rows
+    assert pieces.padded_size(fb.num_tokens) > fb.num_tokens
+    pool = runner.kv_pool
+    for k, v in _kv(pool):  # an earlier step's padding rows wrote the same values there
+        k[0] = 0
+        v[0] = 0
+    before = [(k.clone(), v.clone()) for k, v in _kv(pool)]
+    with torch.inference_mode():
+        fb.attn_backend.init_forward_metadata(fb)
+        pieces.forward(fb)
+    touched = set(fb.out_cache_loc.tolist()) | {0}
+    for (k, v), (k0, v0) in zip(_kv(pool), before):
+        changed = ((k != k0).flatten(1).any(1) | (v != v0).flatten(1).any(1)).nonzero().flatten().tolist()
+        assert set(changed) <= touched and 0 in changed
+    other = copy.copy(fb)
+    other.attn_backend = copy.copy(runner.attn_backend)
+    with pytest.raises(ValueError, match="attention backend"):
+        pieces.forward(other)
+
+
 def test_steps_beyond_the_largest_bucket_and_decode_steps_are_not_taken(runner):
-    pieces = PiecewiseGraphRunner(runner.model, 16, runner.device, capture=False)
+    pieces = PiecewiseGraphRunner(runner.model, 16, runner.device, runner.attn_backend, capture=False)
     assert pieces.max_tokens == 16
     assert not pieces.can_run(_batch(runner, 0, [17]))
     assert pieces.can_run(_batch(runner, 0, [16]))
@@ -133,7 +159,7 @@ def test_on_by_default_its_bound_checked_and_tensor_parallel_refused_by_the_runn
     own, runner.model.tp = runner.model.tp, object()  # a tensor-parallel model carries its group here
     try:
         with pytest.raises(ValueError, match="tensor parallelism"):
-            PiecewiseGraphRunner(runner.model, 16, runner.device, capture=False)
+            PiecewiseGraphRunner(runner.model, 16, runner.device, runner.attn_backend, capture=False)
     finally:
         runner.model.tp = own
 
@@ -150,8 +176,8 @@ def gpu_pieces(request, tmp_path_factory):
     # The cases below share the runner and none frees its rows: room for all of them.
     gpu = dict(dtype="bfloat16", device="cuda", disable_cuda_graph=True, max_running_requests=64)
     runner = _tiny_runner(folder, request.param, wider, **gpu)
-    captured = PiecewiseGraphRunner(runner.model, 128, runner.device)
-    eager = PiecewiseGraphRunner(runner.model, 128, runner.device, capture=False)
+    captured = PiecewiseGraphRunner(runner.model, 128, runner.device, runner.attn_backend)
+    eager = PiecewiseGraphRunner(runner.model, 128, runner.device, runner.attn_backend, capture=False)
     return runner, captured, eager
 
 
