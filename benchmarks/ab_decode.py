@@ -19,7 +19,7 @@ Arguments after `--` go to every run (e.g. `-- --batch-sizes 1 8 16 --context-le
 
 Writes one JSON (--out; default benchmarks/results/decode-ab_<model>_<gpu>.json, mixed-ab_... with
 --bench mixed) with every run's rows (decode: batch size, step_ms, gpu_ms, roofline_ms; mixed: decodes,
-prefill, gpu_ms, host_ms, wall_ms, cuda_graph), the arms and their patches' SHA-256, and prints per row
+prefill, gpu_ms, host_ms, wall_ms, cuda_graph, host_speed), the arms and their patches' SHA-256, and prints per row
 each arm's gpu_ms (mixed: and host_ms) per round and the ratio of its mean to the first arm's.
 
   python benchmarks/ab_decode.py --arm base --arm gated=gated.patch --rounds 2 \\
@@ -62,7 +62,7 @@ BENCHES = {
     "mixed": Bench(
         "bench_mixed_step.py",
         ("decodes", "prefill"),
-        ("gpu_ms", "host_ms", "wall_ms", "cuda_graph"),
+        ("gpu_ms", "host_ms", "wall_ms", "cuda_graph", "host_speed"),
         ("gpu_ms", "host_ms"),
         "mixed-ab",
     ),
@@ -207,7 +207,8 @@ def main() -> None:
                 with open(out) as f:
                     record = json.load(f)
                 rows = [
-                    {k: row[k] for k in bench.key + bench.fields} for row in record.get("results", record.get("rows"))
+                    {k: row[k] for k in bench.key + bench.fields if k in row}
+                    for row in record.get("results", record.get("rows"))
                 ]
                 runs.append(dict(arm=arm.name, round=r, seconds=time.time() - t0, results=rows))
                 shapes = (_label(bench, tuple(x[k] for k in bench.key)).strip() for x in rows)

@@ -614,7 +614,8 @@ p.add_argument("--out")
 a = p.parse_args()
 threads = float(os.environ.get("OMP_NUM_THREADS", "16"))
 rows = [
-    dict(decodes=d, prefill=n, gpu_ms=1.0 + d + n / 64, host_ms=threads, wall_ms=2.0, cuda_graph="piecewise")
+    dict(decodes=d, prefill=n, gpu_ms=1.0 + d + n / 64, host_ms=threads, wall_ms=2.0, cuda_graph="piecewise",
+         host_speed=dict(probe_us_before=1000.0, probe_us_after=1100.0, steal_pct=0.5))
     for d in a.decodes for n in a.prefill
 ]
 json.dump(dict(rows=rows), open(a.out, "w"))
@@ -623,7 +624,8 @@ json.dump(dict(rows=rows), open(a.out, "w"))
 
 def test_ab_decode_runs_mixed_steps_with_an_arm_environment(tmp_path):
     """--bench mixed runs bench_mixed_step.py, keys rows by (decodes, prefill) and compares device and host
-    time; an arm's leading VAR=VALUE words reach only that arm's runs, as its environment."""
+    time, keeping each row's host speed; an arm's leading VAR=VALUE words reach only that arm's runs, as its
+    environment."""
     src = tmp_path / "src"
     (src / "benchmarks").mkdir(parents=True)
     (src / "benchmarks" / "bench_mixed_step.py").write_text(FAKE_BENCH_MIXED)
@@ -642,6 +644,7 @@ def test_ab_decode_runs_mixed_steps_with_an_arm_environment(tmp_path):
     record = json.loads(out.read_text())
     assert record["bench"] == "bench_mixed_step.py"
     assert record["arms"][1]["env"] == {"OMP_NUM_THREADS": "1"} and record["arms"][1]["flags"] == []
+    assert all(row["host_speed"]["steal_pct"] == 0.5 for run in record["runs"] for row in run["results"])
     table = "\n".join(record["table"])
     assert "8 + 64  base: 10.000 / 10.000 (1.000)  one: 10.000 / 10.000 (1.000)" in table
     assert "host time to enqueue a step (ms)" in table
