@@ -80,8 +80,9 @@ process (serving / serving-switch); the raw stacks go beside the logs, the run i
 
 Writes benchmarks/results/online_<GPU or cpu>.json (--out; per workload its summary and `timeline`, each
 request's send time, TTFT and E2E) and the PNG beside it; --merge keeps
-the servers of an existing JSON that this run does not measure (a second command on the same
-machine) and recomputes the ratios.
+what an existing JSON holds that this run does not measure (a second command on the same machine: other
+servers, and a server's other workloads, its earlier starts listed in `earlier_starts`) and recomputes the
+ratios.
 """
 
 from __future__ import annotations
@@ -1261,6 +1262,26 @@ _HTTP_STACK = (
 """What uvicorn's `auto` loop and parser resolve to in a Python environment (serving.server.http_stack)."""
 
 
+PER_WORKLOAD = ("workloads", "kv", "stats_lines", "ttft_split_ms", "repeats", "errors")
+"""The tables of a server's run keyed by workload."""
+
+
+def kept_from_earlier_run(previous: Dict[str, Any], workloads: List[str]) -> Dict[str, Any]:
+    """What a --merge run of a server keeps from that server's run in the JSON it merges into: each
+    per-workload table's entries for the workloads this run does not measure, and `earlier_starts` (each
+    earlier start of the server: when it was measured, how long it took to start and to stop, its workloads),
+    so that one JSON gathers a server's workloads from several commands, each a start of its own."""
+    kept: Dict[str, Any] = {}
+    for key in PER_WORKLOAD:
+        entries = {w: v for w, v in previous.get(key, {}).items() if w not in workloads}
+        if entries:
+            kept[key] = entries
+    start = {k: previous.get(k) for k in ("measured_at", "started_s", "stop")}
+    start["workloads"] = previous.get("measured", list(previous.get("workloads", {})))
+    kept["earlier_starts"] = list(previous.get("earlier_starts", [])) + [start]
+    return kept
+
+
 def merged_http_stacks(previous: Dict[str, Any], current: Dict[str, Any], servers: List[str]) -> Dict[str, Any]:
     """The HTTP stacks a merged JSON names: this run's for the sides it measures ("vllm" for vLLM's server,
     "radixserve" for ours), the earlier run's for a side only that run measured."""
@@ -1373,7 +1394,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", default=None, help="server logs, vllm bench results, profiles (default: a temp dir)")
     p.add_argument("--label", default="")
     p.add_argument(
-        "--merge", action="store_true", help="keep the servers of an existing --out JSON that this run does not measure"
+        "--merge",
+        action="store_true",
+        help="keep what an existing --out JSON holds that this run does not measure (servers, a server's other"
+        " workloads)",
     )
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/online_<GPU or cpu>.json)")
     p.add_argument("--bare-child", default=None, help=argparse.SUPPRESS)
@@ -1470,10 +1494,13 @@ def main(argv: Optional[List[str]] = None) -> None:
         run: Dict[str, Any] = {
             "workloads": {},
             "kv": {},
+            "measured": list(args.workloads),  # by this start (`workloads` also holds those --merge keeps)
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "host": hw.get("host"),
             "boot_id": hw.get("boot_id"),
         }
+        if name in runs:  # --merge: this server's earlier run in the JSON
+            run.update(kept_from_earlier_run(runs[name], args.workloads))
         runs[name] = run
         if isinstance(server, ClusterServer):  # Serve's switches the cluster ran with (deploy/serve.sh's defaults)
             run["serve_env"] = {k: v for k, v in sorted(server.env().items()) if k.startswith("RAY_SERVE_")}

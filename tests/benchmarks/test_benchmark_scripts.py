@@ -360,6 +360,42 @@ def test_bench_online_merge_keeps_the_http_stack_of_a_side_it_does_not_measure(m
     assert bench_online.merged_http_stacks({}, now, ["cluster"]) == now
 
 
+def test_bench_online_merge_keeps_a_servers_workloads_it_does_not_measure_again(monkeypatch):
+    """A --merge run of a server already in the JSON keeps that server's other workloads (every per-workload
+    table) and lists the earlier starts; a workload measured again is this run's alone."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import bench_online
+
+    first = {
+        "workloads": {"random-64": {"request_throughput": 19.0}, "multi-turn": {"request_throughput": 35.0}},
+        "kv": {"random-64": {"kv_no_leak": True}, "multi-turn": {"kv_no_leak": True}},
+        "stats_lines": {"multi-turn": ["last 10.0 s: ..."]},
+        "measured_at": "2026-12-02T09:40:00",
+        "started_s": 41.0,
+        "stop": {"port_free": True},
+    }
+    kept = bench_online.kept_from_earlier_run(first, ["random-8", "multi-turn"])
+    assert kept["workloads"] == {"random-64": {"request_throughput": 19.0}}
+    assert kept["kv"] == {"random-64": {"kv_no_leak": True}}
+    assert "stats_lines" not in kept and "repeats" not in kept
+    assert kept["earlier_starts"] == [
+        {
+            "measured_at": "2026-12-02T09:40:00",
+            "started_s": 41.0,
+            "stop": {"port_free": True},
+            "workloads": ["random-64", "multi-turn"],
+        }
+    ]
+    second = {**first, **kept, "measured": ["random-8"], "measured_at": "2026-12-02T09:50:00"}
+    second["workloads"] = {**kept["workloads"], "random-8": {"request_throughput": 5.5}}
+    again = bench_online.kept_from_earlier_run(second, ["random-256"])
+    assert set(again["workloads"]) == {"random-64", "random-8"}
+    assert [(s["measured_at"], s["workloads"]) for s in again["earlier_starts"]] == [
+        ("2026-12-02T09:40:00", ["random-64", "multi-turn"]),
+        ("2026-12-02T09:50:00", ["random-8"]),
+    ]
+
+
 def test_host_probe_reads_steal_from_proc_stat_and_times_its_workload(tmp_path, monkeypatch):
     """host_probe: steal over a stretch from two /proc/stat first lines (all CPUs, clock ticks), None where
     the file lacks the column; the probe's time is positive and `between` keeps both ends and the steal."""
