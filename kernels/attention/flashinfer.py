@@ -45,7 +45,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from kernels.attention.base import AttentionBackend, ForwardBatchLike
-from kernels.attention.triton import DecodeMeta, plan_decode, run_decode
+from kernels.attention.triton import DecodeMeta, TritonAttnBackend, plan_decode, run_decode
 
 WORKSPACE_BYTES = 256 << 20
 """FlashInfer's float workspace (split-KV partial results), shared by every wrapper of one backend."""
@@ -277,11 +277,7 @@ class FlashInferAttnBackend(AttentionBackend):
         self._mode, self._active_decode, self._meta_batch = "decode", state.wrapper, batch
 
     # ---- forward -----------------------------------------------------------------------------
-    def store_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """See AttentionBackend.store_kv: one Triton launch for K and V (kernels/triton/store_kv.py)."""
-        from kernels.triton.store_kv import store_kv  # noqa: PLC0415
-
-        store_kv(*self.kv_pool.get_kv_buffer(layer_id), loc, k, v)
+    store_kv = TritonAttnBackend.store_kv  # the same Triton store (kernels/triton/store_kv.py)
 
     def forward(
         self,
