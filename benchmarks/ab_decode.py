@@ -55,6 +55,7 @@ class Bench(NamedTuple):
     fields: Tuple[str, ...]  # the fields kept from each row
     metrics: Tuple[str, ...]  # the fields the table compares, each in a block of its own
     prefix: str  # of the default JSON name
+    optional: Tuple[str, ...] = ()  # fields kept where a row has them (an arm's older tree may not write them)
 
 
 BENCHES = {
@@ -62,9 +63,10 @@ BENCHES = {
     "mixed": Bench(
         "bench_mixed_step.py",
         ("decodes", "prefill"),
-        ("gpu_ms", "host_ms", "wall_ms", "cuda_graph", "host_speed"),
+        ("gpu_ms", "host_ms", "wall_ms", "cuda_graph"),
         ("gpu_ms", "host_ms"),
         "mixed-ab",
+        ("host_speed",),
     ),
 }
 
@@ -207,7 +209,7 @@ def main() -> None:
                 with open(out) as f:
                     record = json.load(f)
                 rows = [
-                    {k: row[k] for k in bench.key + bench.fields if k in row}
+                    {k: row[k] for k in bench.key + bench.fields} | {k: row[k] for k in bench.optional if k in row}
                     for row in record.get("results", record.get("rows"))
                 ]
                 runs.append(dict(arm=arm.name, round=r, seconds=time.time() - t0, results=rows))
