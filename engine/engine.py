@@ -396,9 +396,10 @@ class Engine:
         runner = self.runner
         return self.core.post_in_loop(lambda: runner.call_other_ranks(module, function, args))
 
-    def _call(self, fn: Callable[[], Any]) -> Any:
-        """fn() run in the core's loop thread between two steps (tests look at the scheduler so)."""
-        return self.core.run_in_loop(fn)
+    def _call(self, fn: Callable[[], Any], timeout: float = 60.0) -> Any:
+        """fn() run in the core's loop thread between two steps (tests look at the scheduler so); TimeoutError
+        when it has not returned within `timeout` seconds."""
+        return self.core.run_in_loop(fn, timeout)
 
     # ---- request construction (caller's thread) -----------------------------------------------
     @staticmethod
