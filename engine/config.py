@@ -172,7 +172,14 @@ class EngineConfig:
         },
     )
     piecewise_cuda_graph_max_tokens: int = field(
-        default=512, metadata={"help": "Largest prefill or mixed step (tokens) that piecewise CUDA graphs run."}
+        default=2048,
+        metadata={
+            "help": (
+                "Largest prefill or mixed step (tokens) that piecewise CUDA graphs run. Default: the servers' "
+                "step budget (max_prefill_tokens 2048 there) and chunked_prefill_size, so that every step a "
+                "server takes, a chunk with the running decodes beside it included, replays graphs."
+            )
+        },
     )
     tokenizer: Optional[str] = field(
         default=None,
