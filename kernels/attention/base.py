@@ -75,6 +75,9 @@ class AttentionBackend(abc.ABC):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self._meta_batch: Optional[ForwardBatchLike] = None
+        """The batch whose per-forward metadata is planned: `init_forward_metadata` and the CUDA-graph hooks
+        set it; `forward` plans again for any other batch."""
 
     def init_forward_metadata(self, batch: ForwardBatchLike) -> None:
         """Precompute per-forward indices shared by all layers (default: nothing)."""
@@ -85,7 +88,6 @@ class AttentionBackend(abc.ABC):
         a CUDA graph may capture it."""
         self.kv_pool.set_kv_buffer(layer_id, loc, k, v)
 
-    @abc.abstractmethod
     def forward(
         self,
         q: torch.Tensor,
@@ -99,7 +101,29 @@ class AttentionBackend(abc.ABC):
         """q (T, H, D), k/v (T, Hkv, D) -> (T, H, D) in q's dtype; writes k/v at batch.out_cache_loc first
         (`store_kv`) unless `kv_stored`: the caller has written them there already (the piecewise runner does,
         inside its CUDA graphs). `out`: a contiguous (T, H, D) tensor of q's dtype, not overlapping q/k/v, that
-        receives the result (returned); otherwise the result is a new tensor."""
+        receives the result (returned); otherwise the result is a new tensor. Plans the batch first when it is
+        not the planned one (`_meta_batch`); the attention itself is the backend's `_attend`."""
+        if self._meta_batch is not batch:
+            self.init_forward_metadata(batch)
+        if not kv_stored:
+            self.store_kv(layer_id, batch.out_cache_loc, k, v)
+        k_buf, v_buf = self.kv_pool.get_kv_buffer(layer_id)
+        return self._attend(q, k, v, k_buf, v_buf, batch, out)
+
+    @abc.abstractmethod
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        batch: ForwardBatchLike,
+        out: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        """`forward`'s attention, the batch planned and its K/V in the pool: q (T, H, D) attends over layer
+        buffers k_buf / v_buf ((num_slots, Hkv, D), this step's tokens included); k, v (T, Hkv, D) are this
+        step's own (a backend may read them rather than the pool). `out` and the result as in `forward`."""
 
     # ---- CUDA graphs (decode) ------------------------------------------------------------------
     # A backend that supports graphs sets `supports_cuda_graph`. The graph runner then calls, for

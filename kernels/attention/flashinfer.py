@@ -125,7 +125,6 @@ class FlashInferAttnBackend(AttentionBackend):
         """This EXTEND step's prompt rows run on ragged_wrapper (planned), not on prefill_wrapper."""
         self.decode_wrapper = self._new_decode_wrapper()
         self._mode: Optional[str] = None
-        self._meta_batch: Optional[ForwardBatchLike] = None
         self._active_decode = self.decode_wrapper
         self._graphs: Dict[int, _GraphState] = {}
         self._graph_indices: Optional[torch.Tensor] = None
@@ -279,22 +278,17 @@ class FlashInferAttnBackend(AttentionBackend):
     # ---- forward -----------------------------------------------------------------------------
     store_kv = TritonAttnBackend.store_kv  # the same Triton store (kernels/triton/store_kv.py)
 
-    def forward(
+    def _attend(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        layer_id: int,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
         batch: ForwardBatchLike,
-        out: Optional[torch.Tensor] = None,
-        kv_stored: bool = False,
+        out: Optional[torch.Tensor],
     ) -> torch.Tensor:
-        """See AttentionBackend.forward."""
-        if self._meta_batch is not batch:
-            self.init_forward_metadata(batch)
-        if not kv_stored:
-            self.store_kv(layer_id, batch.out_cache_loc, k, v)
-        k_buf, v_buf = self.kv_pool.get_kv_buffer(layer_id)
+        """See AttentionBackend._attend."""
         q = q if q.is_contiguous() else q.contiguous()
         cache = (k_buf.unsqueeze(1), v_buf.unsqueeze(1))  # (num_slots, page_size 1, Hkv, D)
         if q.shape[0] == 0:

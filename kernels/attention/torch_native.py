@@ -32,7 +32,6 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._meta_batch: Optional[ForwardBatchLike] = None
         self._decode_meta: Optional[_DecodeMeta] = None
         self._rows: Optional[torch.Tensor] = None
 
@@ -47,22 +46,17 @@ class TorchNativeAttnBackend(AttentionBackend):
             self._decode_meta = _DecodeMeta(torch.where(valid, self._rows, 0), valid[:, None, None, :])
         self._meta_batch = batch
 
-    def forward(
+    def _attend(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        layer_id: int,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
         batch: ForwardBatchLike,
-        out: Optional[torch.Tensor] = None,
-        kv_stored: bool = False,
+        out: Optional[torch.Tensor],
     ) -> torch.Tensor:
-        """See AttentionBackend.forward."""
-        if self._meta_batch is not batch:
-            self.init_forward_metadata(batch)
-        if not kv_stored:
-            self.store_kv(layer_id, batch.out_cache_loc, k, v)
-        k_buf, v_buf = self.kv_pool.get_kv_buffer(layer_id)
+        """See AttentionBackend._attend."""
         compute_dtype = _compute_dtype(q)
         if self._decode_meta is not None:
             result = self._decode(q.to(compute_dtype), k_buf, v_buf, compute_dtype)

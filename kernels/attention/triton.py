@@ -91,7 +91,6 @@ class TritonAttnBackend(AttentionBackend):
 
             fix_interpreter_scalar_index()  # CPU means the Triton interpreter
         self.num_kv_splits = num_kv_splits
-        self._meta_batch: Optional[ForwardBatchLike] = None
         self._decode: Optional[DecodeMeta] = None
         self._extend: Optional[_ExtendMeta] = None
 
@@ -127,22 +126,17 @@ class TritonAttnBackend(AttentionBackend):
         """Nothing to update on the host: the kernels read seq_lens and req_pool_indices on the device."""
         self._decode, self._extend, self._meta_batch = self._graph_meta[batch.batch_size], None, batch
 
-    def forward(
+    def _attend(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        layer_id: int,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
         batch: ForwardBatchLike,
-        out: Optional[torch.Tensor] = None,
-        kv_stored: bool = False,
+        out: Optional[torch.Tensor],
     ) -> torch.Tensor:
-        """See AttentionBackend.forward."""
-        if self._meta_batch is not batch:
-            self.init_forward_metadata(batch)
-        if not kv_stored:
-            self.store_kv(layer_id, batch.out_cache_loc, k, v)
-        k_buf, v_buf = self.kv_pool.get_kv_buffer(layer_id)
+        """See AttentionBackend._attend."""
         q = q if q.stride(-1) == 1 else q.contiguous()
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
