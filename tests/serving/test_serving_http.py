@@ -359,9 +359,8 @@ def test_non_stream_disconnect_frees_pages(base_url, default_engine):
     with httpx.Client(base_url=base_url, timeout=1.0) as c:
         with pytest.raises(httpx.ReadTimeout):
             c.post("/v1/completions", json=cmpl(**_long()))
-    t0 = time.time()
     stats = wait_idle(default_engine)
-    assert time.time() - t0 < 15 and stats.aborted > aborted
+    assert stats.aborted > aborted
     assert_no_leak(default_engine)
 
 

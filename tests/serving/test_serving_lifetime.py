@@ -46,10 +46,12 @@ def _idle_and_clean(engine):
 
 def test_timeout_ends_the_request_and_frees_its_pages(default_engine):
     with serve(_app(default_engine)) as url, httpx.Client(base_url=url, timeout=60) as c:
-        t0 = time.monotonic()
+        generated = default_engine.stats().generated_tokens
         r = c.post("/v1/completions", json=_cmpl(timeout=0.5, **LONG))
-        assert r.status_code == 504 and time.monotonic() - t0 < 10, r.text
+        assert r.status_code == 504, r.text
         assert r.json()["error"]["code"] == "deadline_exceeded" and r.json()["error"]["param"] == "timeout"
+        # Ended at its deadline, not after its 3,000 tokens (a count, not a clock: the CPU may be shared).
+        assert wait_idle(default_engine).generated_tokens - generated < LONG["max_tokens"]
         with c.stream(
             "POST",
             "/v1/chat/completions",
@@ -147,12 +149,10 @@ def test_drain_ends_what_outlives_the_grace_period_with_an_error(default_engine)
     with ThreadPoolExecutor(1) as pool:
         results = pool.submit(_stream_all, url, [_cmpl(stream=True, **LONG) for _ in range(2)], started)
         started.wait()
-        t0 = time.monotonic()
         server.should_exit = True
         streams = results.result(timeout=60)
-        assert time.monotonic() - t0 < 15
-    for events in streams:
-        assert events[-1]["error"]["code"] == "shutting_down"
+    for events in streams:  # cut by the grace period: an error before the 3,000th token
+        assert events[-1]["error"]["code"] == "shutting_down" and len(events) < LONG["max_tokens"]
     thread.join(timeout=30)
     assert not thread.is_alive()
     _idle_and_clean(default_engine)
